@@ -1,0 +1,42 @@
+# Two commands (README): `make demo` and `make test`. Both create .venv on first use.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+
+# Offline by default: no W&B upload, no hub downloads (design.md section 9).
+export WANDB_MODE ?= offline
+export HF_DATASETS_OFFLINE := 1
+export HF_HUB_OFFLINE := 1
+export HF_HOME := $(CURDIR)/.cache/huggingface
+export TOKENIZERS_PARALLELISM := false
+
+DEMO_DIR := runs/demo
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# torch first, then everything under the same constraints file, so no CUDA torch is pulled.
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -r requirements.txt
+	$(PIP) install -c constraints.txt --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	@echo "== 1/2 generate the three workloads (1,000 workflows each) into $(DEMO_DIR)/data"
+	@for w in hover swebench financebench; do \
+	  $(PY) -m data.generate workload=$$w n_workflows=1000 seed=0 out=$(DEMO_DIR)/data/$$w overwrite=true || exit 1; \
+	done
+	@echo "== 2/2 import the real Who&When traces from ../shared/traces/who_and_when"
+	@$(PY) -m data.import_traces format=who_and_when src=../shared/traces/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
+	@echo "demo done: datasets in $(DEMO_DIR)/data (predictor training and policy evaluation are not built yet)"
+
+test: setup
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .cache runs outputs multirun

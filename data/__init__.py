@@ -1,0 +1,1 @@
+"""Workflow traces: formats, validation, importers, workload generators and the dataset store."""

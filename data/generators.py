@@ -1,0 +1,311 @@
+"""Synthetic agent workloads that mirror the paper's benchmarks (design.md section 3).
+
+Each workflow draws a latent (hop count, difficulty, question type) that its task text reveals
+and that decides its path, so the task text carries information the call history does not.
+Context grows as real agents' does: every call sees its agent's system prompt, the task, and
+the transcript so far (earlier outputs and tool results). Token counts are drawn from clipped
+log-normals around the medians below; the task text is counted with the project tokenizer.
+
+Workflow i of seed s is drawn from its own generator seeded (s, i), so the first n workflows
+do not depend on how many are generated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data.schema import SegmentTable, Traces, call_record
+from data.tokenizer import TokenCounter
+
+
+def draw_tokens(rng: np.random.Generator, median: float, sigma: float = 0.4,
+                lo: int = 1, hi: int = 64_000) -> int:
+    return int(np.clip(round(median * np.exp(sigma * rng.standard_normal())), lo, hi))
+
+
+def draw_seconds(rng: np.random.Generator, median: float, sigma: float = 0.5) -> float:
+    return round(float(median * np.exp(sigma * rng.standard_normal())), 3)
+
+
+@dataclass
+class Tool:
+    """A tool an agent calls after its LLM call; its result enters the transcript."""
+
+    result_tokens: int
+    seconds: float
+
+
+@dataclass
+class WorkflowBuilder:
+    """Accumulates one workflow's calls; each call's prompt = system prompt + task + transcript."""
+
+    workload: "Workload"
+    workflow_id: str
+    task: str
+    task_tokens: int
+    latent: dict
+    segments: SegmentTable
+    calls: list[dict] = field(default_factory=list)
+    transcript: list[tuple[str, int]] = field(default_factory=list)
+    gap: float = 0.0  # seconds before the next call (the last tool's run time)
+
+    def call(self, agent: str, output_tokens: int, tool: Tool | None = None) -> None:
+        step = len(self.calls)
+        sys_id, task_id = f"sys:{self.workload.name}:{agent}", f"task:{self.workflow_id}"
+        self.segments.add(sys_id, self.workload.system_prompt_tokens[agent], "system")
+        self.segments.add(task_id, self.task_tokens, "task", self.task)
+        prompt = [(sys_id, self.workload.system_prompt_tokens[agent]), (task_id, self.task_tokens)]
+        prompt += self.transcript
+        out_id = f"out:{self.workflow_id}:{step}"
+        self.segments.add(out_id, output_tokens, "output")
+        self.calls.append(call_record(
+            workflow_id=self.workflow_id, step=step, agent=agent, workload=self.workload.name,
+            task=self.task, latent=json.dumps(self.latent, sort_keys=True),
+            prompt_ids=[s for s, _ in prompt], prompt_segment_tokens=[n for _, n in prompt],
+            output_tokens=output_tokens, output_id=out_id, tool_time=self.gap,
+        ))
+        self.transcript.append((out_id, output_tokens))
+        self.gap = 0.0
+        if tool is not None:
+            tool_id = f"tool:{self.workflow_id}:{step}"
+            self.segments.add(tool_id, tool.result_tokens, "tool")
+            self.transcript.append((tool_id, tool.result_tokens))
+            self.gap = tool.seconds
+
+    def finish(self) -> list[dict]:
+        self.calls[-1]["end_of_workflow"] = True
+        return self.calls
+
+
+class Workload:
+    """A workload draws workflows; subclasses define agents, prompts and the path."""
+
+    name: str
+    system_prompt_tokens: dict[str, int]
+
+    def task_and_latent(self, rng: np.random.Generator) -> tuple[str, dict]:
+        raise NotImplementedError
+
+    def run(self, wf: WorkflowBuilder, rng: np.random.Generator) -> None:
+        raise NotImplementedError
+
+    def generate(self, n_workflows: int, seed: int = 0, counter: TokenCounter | None = None) -> Traces:
+        if n_workflows < 1:
+            raise ValueError(f"n_workflows must be positive, got {n_workflows}")
+        counter = counter or TokenCounter.wordpiece()
+        segments = SegmentTable()
+        calls = []
+        for i in range(n_workflows):
+            rng = np.random.default_rng([seed, i])
+            task, latent = self.task_and_latent(rng)
+            wf = WorkflowBuilder(self, f"{self.name}-{i:06d}", task, counter.count(task), latent, segments)
+            self.run(wf, rng)
+            calls.extend(wf.finish())
+        meta = {"format": "generated", "workload": self.name, "n_workflows": n_workflows, "seed": seed,
+                "tokenizer": f"task text: {counter.name}; other segments: drawn counts"}
+        return Traces(calls, segments, meta)
+
+
+def generate(workload: Workload, n_workflows: int, seed: int = 0) -> Traces:
+    """Hydra target of the `data` config group for generated workloads."""
+    return workload.generate(n_workflows, seed)
+
+
+def _pick(rng: np.random.Generator, options):
+    return options[int(rng.integers(len(options)))]
+
+
+# --------------------------------------------------------------------------- hover
+
+_PEOPLE = ["Ada Lindqvist", "Marco Ferreira", "Yuki Tanabe", "Omar Haddad", "Greta Novak", "Samuel Okafor",
+           "Lena Brandt", "Ivan Petrov", "Clara Mendes", "Tomas Ruiz", "Hana Kim", "Pierre Laurent"]
+_FILMS = ["The Silent Harbor", "Glass Orchard", "Northern Static", "A Map of Rivers", "The Last Ferry",
+          "Copper Sky", "Hollow Crown Road", "Paper Lanterns"]
+_PLACES = ["Lisbon", "Kraków", "Osaka", "Tunis", "Bergen", "Valparaíso", "Tbilisi", "Quebec City", "Porto",
+           "Ljubljana", "Da Nang", "Cusco"]
+_HOVER_TEMPLATES = {
+    1: ["{p} was born in {c}.", "{f} premiered in {c}.", "{p} directed {f}."],
+    2: ["The director of {f} was born in {c}.", "The city where {p} was born hosted the premiere of {f}.",
+        "The spouse of {p} starred in {f}."],
+    3: ["The director of the film that premiered in {c} was born in the same year as {p}.",
+        "The composer of the score of {f} studied in the city where {p} was born.",
+        "The brother of the actor who starred in {f} founded a theatre in {c}."],
+    4: ["The university attended by the director of the film in which {p} starred is in the country whose "
+        "capital is {c}.",
+        "The teacher of the composer who scored the film that premiered in {c} was born in the same town as {p}.",
+        "The band whose singer starred in the film directed by the sister of {p} was formed in the city "
+        "that hosted the premiere of {f}."],
+}
+
+
+class Hover(Workload):
+    """Multi-hop fact checking (HoVer + LangChain): retrieve -> summarize, then per further hop
+    query_generator -> retriever -> summarizer; a verifier closes and sometimes asks for one more hop.
+
+    Latent: the claim's hop count (1-4), visible as its number of nested relations.
+    """
+
+    name = "hover"
+
+    def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
+                 passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
+                 system_prompt_tokens=None):
+        self.hop_probs = np.asarray(hop_probs, dtype=float) / np.sum(hop_probs)
+        self.extra_hop_prob = extra_hop_prob
+        self.passages_per_search = tuple(passages_per_search)
+        self.passage_tokens = passage_tokens
+        self.search_seconds = search_seconds
+        self.system_prompt_tokens = system_prompt_tokens or {
+            "retriever": 650, "summarizer": 1100, "query_generator": 800, "verifier": 1800}
+
+    def task_and_latent(self, rng):
+        hops = int(rng.choice(len(self.hop_probs), p=self.hop_probs)) + 1
+        claim = _pick(rng, _HOVER_TEMPLATES[hops]).format(p=_pick(rng, _PEOPLE), f=_pick(rng, _FILMS),
+                                                          c=_pick(rng, _PLACES))
+        extra = int(rng.random() < self.extra_hop_prob * hops / 2)  # harder claims need a recheck more often
+        return f"Verify the claim against Wikipedia. Claim: {claim}", {"hops": hops, "extra_hops": extra}
+
+    def _search(self, rng) -> Tool:
+        k = int(rng.integers(self.passages_per_search[0], self.passages_per_search[1] + 1))
+        return Tool(draw_tokens(rng, k * self.passage_tokens, 0.2, 200, 12_000),
+                    draw_seconds(rng, self.search_seconds))
+
+    def _hop(self, wf, rng, first: bool) -> None:
+        if not first:
+            wf.call("query_generator", draw_tokens(rng, 60, 0.4, 10, 300))
+        wf.call("retriever", draw_tokens(rng, 90, 0.4, 10, 400), self._search(rng))
+        wf.call("summarizer", draw_tokens(rng, 260, 0.4, 40, 1200))
+
+    def run(self, wf, rng):
+        for hop in range(wf.latent["hops"]):
+            self._hop(wf, rng, first=hop == 0)
+        wf.call("verifier", draw_tokens(rng, 180, 0.4, 20, 800))
+        for _ in range(wf.latent["extra_hops"]):
+            self._hop(wf, rng, first=False)
+            wf.call("verifier", draw_tokens(rng, 180, 0.4, 20, 800))
+
+
+# --------------------------------------------------------------------------- swebench
+
+_MODULES = ["requests/sessions.py", "django/db/models/query.py", "sympy/core/expr.py", "flask/app.py",
+            "astropy/io/fits/header.py", "sklearn/utils/validation.py", "pytest/_code/source.py",
+            "matplotlib/axes/_base.py"]
+_FUNCS = ["merge_settings", "bulk_update", "as_coeff_add", "make_response", "fromstring", "check_array",
+          "getstatement", "set_xlim"]
+_ISSUE_TEMPLATES = {
+    "easy": ["Typo in the docstring of `{f}` in {m}.", "`{f}` in {m} has a misleading error message.",
+             "Deprecation warning text in `{f}` ({m}) names the wrong version."],
+    "medium": ["`{f}` in {m} returns a wrong result when an argument is None.",
+               "`{f}` ({m}) ignores the keyword argument passed by the caller.",
+               "Off-by-one error in `{f}` in {m} for empty inputs."],
+    "hard": ["Race condition: `{f}` in {m} intermittently deadlocks when called from several threads, and "
+             "the existing tests pass; a regression after the caching refactor.",
+             "Memory leak and wrong results in `{f}` ({m}) when subclasses override __eq__; affects "
+             "pickling and several downstream modules.",
+             "`{f}` in {m} breaks under the new backend: inconsistent state across three modules, "
+             "needs an API-compatible redesign."],
+}
+
+
+class SweBench(Workload):
+    """Issue fixing (SWE-bench + AutoGen): planner -> coder -> tester; a failing test run sends the
+    work back to the coder, and every `replan_after` failures in a row back to the planner; a
+    reviewer closes once tests pass or attempts run out.
+
+    Latent: difficulty (easy / medium / hard), visible in the issue text; it sets the chance
+    that a test run fails, hence the number of retry loops.
+    """
+
+    name = "swebench"
+
+    def __init__(self, difficulty_probs=None, fail_prob=None, max_attempts=6, replan_after=3,
+                 test_seconds=20.0, system_prompt_tokens=None):
+        self.difficulty_probs = difficulty_probs or {"easy": 0.35, "medium": 0.4, "hard": 0.25}
+        self.fail_prob = fail_prob or {"easy": 0.15, "medium": 0.45, "hard": 0.7}
+        self.max_attempts = max_attempts
+        self.replan_after = replan_after
+        self.test_seconds = test_seconds
+        self.system_prompt_tokens = system_prompt_tokens or {
+            "planner": 2200, "coder": 2800, "tester": 1500, "reviewer": 1200}
+
+    def task_and_latent(self, rng):
+        names = list(self.difficulty_probs)
+        p = np.asarray([self.difficulty_probs[d] for d in names], dtype=float)
+        difficulty = names[int(rng.choice(len(names), p=p / p.sum()))]
+        issue = _pick(rng, _ISSUE_TEMPLATES[difficulty]).format(f=_pick(rng, _FUNCS), m=_pick(rng, _MODULES))
+        failures = 0
+        while failures < self.max_attempts - 1 and rng.random() < self.fail_prob[difficulty]:
+            failures += 1
+        return f"Resolve this GitHub issue. {issue}", {"difficulty": difficulty, "failed_test_runs": failures}
+
+    def run(self, wf, rng):
+        hard = wf.latent["difficulty"] == "hard"
+        wf.call("planner", draw_tokens(rng, 500, 0.4, 80, 2000),
+                Tool(draw_tokens(rng, 5000, 0.5, 500, 30_000), draw_seconds(rng, 2.0)))
+        failures, in_a_row = wf.latent["failed_test_runs"], 0
+        for attempt in range(failures + 1):
+            if in_a_row == self.replan_after:
+                wf.call("planner", draw_tokens(rng, 500, 0.4, 80, 2000))
+                in_a_row = 0
+            wf.call("coder", draw_tokens(rng, 900, 0.5, 60, 4000),
+                    Tool(draw_tokens(rng, 250, 0.4, 20, 1500), draw_seconds(rng, 0.5)))
+            log_median = 6000 if hard else 2500
+            wf.call("tester", draw_tokens(rng, 180, 0.4, 20, 800),
+                    Tool(draw_tokens(rng, log_median, 0.6, 200, 24_000), draw_seconds(rng, self.test_seconds)))
+            in_a_row += attempt < failures
+        wf.call("reviewer", draw_tokens(rng, 350, 0.4, 40, 1500))
+
+
+# --------------------------------------------------------------------------- financebench
+
+_COMPANIES = ["3M", "Adobe", "Amcor", "Boeing", "Costco", "Johnson & Johnson", "PepsiCo", "Verizon",
+              "Nike", "Oracle"]
+_METRICS = ["revenue", "operating income", "capital expenditure", "free cash flow", "net income"]
+_RATIOS = ["quick", "current", "debt-to-equity", "gross margin", "inventory turnover"]
+
+
+class FinanceBench(Workload):
+    """Financial QA (FinanceBench + CrewAI): a fixed pipeline retriever -> analyst -> calculator ->
+    writer for every workflow (the static workload).
+
+    Latent: question type (lookup / ratio / trend), visible in the question; it changes the size of
+    the retrieved filing excerpts and outputs, never the path.
+    """
+
+    name = "financebench"
+    _filing_median = {"lookup": 4000, "ratio": 7000, "trend": 12000}
+
+    def __init__(self, type_probs=None, retrieval_seconds=1.5, system_prompt_tokens=None):
+        self.type_probs = type_probs or {"lookup": 0.4, "ratio": 0.35, "trend": 0.25}
+        self.retrieval_seconds = retrieval_seconds
+        self.system_prompt_tokens = system_prompt_tokens or {
+            "retriever": 700, "analyst": 1600, "calculator": 900, "writer": 1000}
+
+    def task_and_latent(self, rng):
+        names = list(self.type_probs)
+        p = np.asarray([self.type_probs[t] for t in names], dtype=float)
+        kind = names[int(rng.choice(len(names), p=p / p.sum()))]
+        company, year = _pick(rng, _COMPANIES), int(rng.integers(2015, 2023))
+        question = {
+            "lookup": f"What was {company}'s {_pick(rng, _METRICS)} in FY{year}?",
+            "ratio": f"What is {company}'s FY{year} {_pick(rng, _RATIOS)} ratio, from its balance sheet?",
+            "trend": f"How did {company}'s {_pick(rng, _METRICS)} change from FY{year - 2} to FY{year}, "
+                     f"and what drove the change?",
+        }[kind]
+        return f"Answer from the company's SEC filings. {question}", {"question_type": kind}
+
+    def run(self, wf, rng):
+        kind = wf.latent["question_type"]
+        wf.call("retriever", draw_tokens(rng, 120, 0.4, 20, 500),
+                Tool(draw_tokens(rng, self._filing_median[kind], 0.4, 800, 40_000),
+                     draw_seconds(rng, self.retrieval_seconds)))
+        wf.call("analyst", draw_tokens(rng, 450 if kind == "trend" else 300, 0.4, 50, 2000))
+        wf.call("calculator", draw_tokens(rng, 150, 0.4, 20, 800),
+                Tool(draw_tokens(rng, 120, 0.5, 10, 800), draw_seconds(rng, 0.3)))
+        wf.call("writer", draw_tokens(rng, 250, 0.4, 40, 1200))
+
+
+WORKLOADS = {w.name: w for w in (Hover, SweBench, FinanceBench)}

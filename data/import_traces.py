@@ -1,0 +1,42 @@
+"""python -m data.import_traces format=chat|native|who_and_when src=PATH out=DIR"""
+
+from __future__ import annotations
+
+import sys
+
+from data import store
+from data.cli import run_command
+from data.formats import read_chat, read_native
+from data.schema import Traces
+from data.stats import format_stats
+from data.tokenizer import TokenCounter
+from data.who_and_when import read_who_and_when
+
+FORMATS = ("chat", "native", "who_and_when")
+
+
+def read_traces(format: str, src: str, skip_bad_lines: bool = False) -> Traces:
+    """Read and validate a trace source; also the Hydra target of imported `data` configs."""
+    if format == "native":
+        return read_native(src, skip_bad_lines)
+    if format == "chat":
+        return read_chat(src, TokenCounter.wordpiece(), skip_bad_lines)
+    if format == "who_and_when":
+        return read_who_and_when(src, skip_bad_lines=skip_bad_lines)
+    raise ValueError(f"format must be one of {', '.join(FORMATS)}; got '{format}'")
+
+
+def import_traces(cfg) -> None:
+    traces = read_traces(cfg.format, cfg.src, cfg.skip_bad_lines)
+    for issue in traces.skipped:
+        print(f"skipped {issue}", file=sys.stderr)
+    if traces.skipped:
+        print(f"skipped {len(traces.skipped)} invalid record(s)", file=sys.stderr)
+    ds = store.build(traces, **cfg.split)
+    store.save(ds, cfg.out, overwrite=cfg.overwrite)
+    print(format_stats(cfg.format, ds.meta["stats"]))
+    print(f"wrote {cfg.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(run_command("import_traces", import_traces))

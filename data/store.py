@@ -1,0 +1,144 @@
+"""The trace store: split by workflow, save atomically as a `datasets` dataset, load, resolve.
+
+On disk a dataset directory holds:
+
+    meta.json          schema version, source, tokenizer, split seed and sizes, statistics
+    calls/             DatasetDict (train / val / test) of CALL_FEATURES rows, save_to_disk
+    segments/          Dataset of SEGMENT_FEATURES rows, save_to_disk
+    parquet/           the same tables as parquet: train, val, test, segments
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset, DatasetDict, load_from_disk
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
+from data.stats import trace_stats
+
+
+@dataclass
+class TraceDataset:
+    calls: DatasetDict  # "train" / "val" / "test"
+    segments: Dataset
+    meta: dict
+    path: Path | None = None
+
+    def segment_table(self) -> dict[str, dict]:
+        return {row["id"]: row for row in self.segments}
+
+    def rows(self, split: str | None = None) -> list[dict]:
+        """Call rows of one split, or of all splits, grouped by workflow in step order."""
+        names = SPLITS if split is None else (split,)
+        return [row for name in names for row in self.calls[name]]
+
+    @property
+    def n_workflows(self) -> int:
+        return sum(self.meta["splits"][s]["workflows"] for s in SPLITS)
+
+
+def assign_splits(workflow_ids: list[str], val: float, test: float, seed: int) -> dict[str, str]:
+    """Seeded assignment of whole workflows to train / val / test (a workflow is never split)."""
+    if not (0 <= val < 1 and 0 <= test < 1 and val + test < 1):
+        raise ValueError(f"split fractions val={val}, test={test} must be in [0, 1) and sum below 1")
+    n = len(workflow_ids)
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val), round(n * test)
+    if n >= 3:  # keep every requested split non-empty on small sources
+        n_val, n_test = max(n_val, int(val > 0)), max(n_test, int(test > 0))
+    names = np.array(["train"] * n, dtype=object)
+    names[order[:n_val]] = "val"
+    names[order[n_val:n_val + n_test]] = "test"
+    return dict(zip(workflow_ids, names.tolist()))
+
+
+def build(traces: Traces, val: float = 0.1, test: float = 0.1, seed: int = 0) -> TraceDataset:
+    if not traces.calls:
+        raise ValueError("no calls to store (the source is empty)")
+    workflow_ids = list(dict.fromkeys(c["workflow_id"] for c in traces.calls))
+    split_of = assign_splits(workflow_ids, val, test, seed)
+    parts = {s: [c for c in traces.calls if split_of[c["workflow_id"]] == s] for s in SPLITS}
+    calls = DatasetDict({s: Dataset.from_list(rows, features=CALL_FEATURES) for s, rows in parts.items()})
+    segments = Dataset.from_list(list(traces.segments.values()), features=SEGMENT_FEATURES)
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        **traces.meta,
+        "split": {"val": val, "test": test, "seed": seed},
+        "splits": {s: {"workflows": len({c["workflow_id"] for c in rows}), "calls": len(rows)}
+                   for s, rows in parts.items()},
+        "skipped_lines": [str(issue) for issue in traces.skipped],
+        "stats": trace_stats(traces.calls),
+    }
+    return TraceDataset(calls, segments, meta)
+
+
+def save(ds: TraceDataset, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the dataset to `out` all at once: built in a temporary sibling, then renamed."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=true to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        ds.calls.save_to_disk(str(tmp / "calls"))
+        ds.segments.save_to_disk(str(tmp / "segments"))
+        (tmp / "parquet").mkdir()
+        for split in SPLITS:
+            ds.calls[split].to_parquet(str(tmp / "parquet" / f"{split}.parquet"))
+        ds.segments.to_parquet(str(tmp / "parquet" / "segments.parquet"))
+        (tmp / "meta.json").write_text(json.dumps(ds.meta, indent=2, sort_keys=True))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ds.path = out
+    return out
+
+
+def load(path: str | Path) -> TraceDataset:
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a trace dataset (no meta.json); "
+                                "write one with `python -m data.generate` or `python -m data.import_traces`")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_file}: corrupt meta.json ({e})") from e
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema version {meta.get('schema_version')}, this code reads "
+                         f"{SCHEMA_VERSION}; rebuild the dataset")
+    calls = load_from_disk(str(path / "calls"))
+    segments = load_from_disk(str(path / "segments"))
+    return TraceDataset(calls, segments, meta, path)
+
+
+def resolve(cfg: DictConfig) -> TraceDataset:
+    """The `data` config group: `data.path` if set, else build from `data.source` and cache it."""
+    if cfg.get("path"):
+        return load(cfg.path)
+    recipe = OmegaConf.to_container(cfg, resolve=True)
+    recipe = {k: recipe[k] for k in ("source", "split")}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    cached = Path(cfg.cache_dir) / f"{cfg.name}-{key}"
+    if not (cached / "meta.json").is_file():
+        traces: Traces = instantiate(cfg.source, _convert_="all")
+        ds = build(traces, **cfg.split)
+        ds.meta["recipe"] = recipe
+        save(ds, cached, overwrite=True)
+    return load(cached)

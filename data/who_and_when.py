@@ -1,0 +1,104 @@
+"""Importer for the Who&When multi-agent traces (shared/traces/who_and_when, MIT licence).
+
+Each JSON file is one workflow: `question`, `history: [{name?, role, content}]` and, in the
+Algorithm-Generated (CaptainAgent / AG2 group chat) subset, a per-agent `system_prompt` dict.
+
+How a run becomes calls:
+- the speaker is `name` (AG2) or `role` with its parenthetical dropped (Magentic-One:
+  "Orchestrator (-> WebSurfer)" -> "Orchestrator");
+- tool and human turns (Computer_terminal, ComputerTerminal, human) are not agent calls, but
+  they enter the context of every later call;
+- consecutive entries of the same agent form one turn, and each agent turn is one call;
+- a call's messages are the agent's system prompt (when the source has one) followed by every
+  earlier turn (agents' turns as `assistant`, tool and human turns as `user`); the first call,
+  with no earlier turn, sees the question; its completion is the turn's text.
+The calls then go through the chat-format path, so token counts and prefix segments are the
+chat format's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from data.errors import Issue, TraceValidationError
+from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces
+from data.schema import Traces
+from data.tokenizer import TokenCounter
+
+SUBSETS = {"Algorithm-Generated": "who_and_when-ag2", "Hand-Crafted": "who_and_when-magentic"}
+NON_AGENT_SPEAKERS = {"Computer_terminal", "ComputerTerminal", "human"}
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    content: str
+    role: str = Field(min_length=1)
+    name: str | None = None
+
+
+class _Run(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    question: str
+    history: list[_Entry] = Field(min_length=1)
+    system_prompt: dict[str, str] | None = None
+
+
+def speaker(entry: _Entry) -> str:
+    return entry.name or re.sub(r"\s*\(.*\)\s*$", "", entry.role)
+
+
+def _turns(run: _Run) -> list[tuple[str, str]]:
+    turns: list[tuple[str, str]] = []
+    for entry in run.history:
+        who = speaker(entry)
+        if turns and turns[-1][0] == who and who not in NON_AGENT_SPEAKERS:
+            turns[-1] = (who, turns[-1][1] + "\n\n" + entry.content)
+        else:
+            turns.append((who, entry.content))
+    return turns
+
+
+def run_to_chat_calls(run: _Run, workflow_id: str, workload: str) -> list[ChatCall]:
+    calls, context = [], []
+    for who, text in _turns(run):
+        if who in NON_AGENT_SPEAKERS:
+            context.append(ChatMessage(role="user", content=text))
+            continue
+        system = (run.system_prompt or {}).get(who)
+        messages = ([ChatMessage(role="system", content=system)] if system else [])
+        messages += list(context) or [ChatMessage(role="user", content=run.question)]
+        calls.append(ChatCall(workflow_id=workflow_id, agent=who, messages=messages, completion=text,
+                              step=len(calls), workload=workload, task=run.question))
+        context.append(ChatMessage(role="assistant", content=text))
+    return calls
+
+
+def _numeric_order(path: Path):
+    return (0, int(path.stem)) if path.stem.isdigit() else (1, path.stem)
+
+
+def read_who_and_when(src: str | Path, counter: TokenCounter | None = None,
+                      skip_bad_lines: bool = False) -> Traces:
+    src = Path(src)
+    subsets = [d for d in SUBSETS if (src / d).is_dir()]
+    if not subsets:
+        raise TraceValidationError([Issue(str(src), None, "", f"no {' or '.join(SUBSETS)} folder here")])
+    issues: list[Issue] = []
+    records: list[tuple[int | None, ChatCall]] = []
+    for subset in subsets:
+        for path in sorted((src / subset).glob("*.json"), key=_numeric_order):
+            try:
+                run = _Run.model_validate_json(path.read_bytes())
+            except ValidationError as e:
+                issues.extend(_issues_from(e, str(path), None))
+                continue
+            calls = run_to_chat_calls(run, f"{SUBSETS[subset]}-{path.stem}", SUBSETS[subset])
+            if not calls:
+                issues.append(Issue(str(path), None, "history", "no agent turn (only tool or human turns)"))
+            records.extend((None, c) for c in calls)
+    traces = chat_to_traces(str(src), records, counter or TokenCounter.wordpiece(), issues, skip_bad_lines)
+    traces.meta.update({"format": "who_and_when", "src": str(src), "subsets": subsets})
+    return traces

@@ -1,0 +1,1 @@
+"""PBKV predictors (issue 3)."""

@@ -1,0 +1,1 @@
+"""Cache policies, serving simulator, SGLang plugin (issues 4, 5)."""
