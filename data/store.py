@@ -19,11 +19,14 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset, DatasetDict, load_from_disk
+from datasets.utils import disable_progress_bars
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
 from data.stats import trace_stats
+
+disable_progress_bars()  # tables here are small; per-table bars only clutter the commands' output
 
 
 @dataclass
@@ -61,14 +64,19 @@ def assign_splits(workflow_ids: list[str], val: float, test: float, seed: int) -
     return dict(zip(workflow_ids, names.tolist()))
 
 
+def _table(rows: list[dict], features) -> Dataset:
+    # columnar, so that an empty split still carries the schema
+    return Dataset.from_dict({name: [r[name] for r in rows] for name in features}, features=features)
+
+
 def build(traces: Traces, val: float = 0.1, test: float = 0.1, seed: int = 0) -> TraceDataset:
     if not traces.calls:
         raise ValueError("no calls to store (the source is empty)")
     workflow_ids = list(dict.fromkeys(c["workflow_id"] for c in traces.calls))
     split_of = assign_splits(workflow_ids, val, test, seed)
     parts = {s: [c for c in traces.calls if split_of[c["workflow_id"]] == s] for s in SPLITS}
-    calls = DatasetDict({s: Dataset.from_list(rows, features=CALL_FEATURES) for s, rows in parts.items()})
-    segments = Dataset.from_list(list(traces.segments.values()), features=SEGMENT_FEATURES)
+    calls = DatasetDict({s: _table(rows, CALL_FEATURES) for s, rows in parts.items()})
+    segments = _table(list(traces.segments.values()), SEGMENT_FEATURES)
     meta = {
         "schema_version": SCHEMA_VERSION,
         **traces.meta,
@@ -123,9 +131,15 @@ def load(path: str | Path) -> TraceDataset:
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema version {meta.get('schema_version')}, this code reads "
                          f"{SCHEMA_VERSION}; rebuild the dataset")
-    calls = load_from_disk(str(path / "calls"))
-    segments = load_from_disk(str(path / "segments"))
-    return TraceDataset(calls, segments, meta, path)
+    calls = DatasetDict({s: _load_table(path / "calls" / s, CALL_FEATURES) for s in SPLITS})
+    return TraceDataset(calls, _load_table(path / "segments", SEGMENT_FEATURES), meta, path)
+
+
+def _load_table(path: Path, features) -> Dataset:
+    # datasets writes no arrow file for an empty table and cannot load it back; rebuild it empty
+    if not json.loads((path / "state.json").read_text())["_data_files"]:
+        return _table([], features)
+    return load_from_disk(str(path))
 
 
 def resolve(cfg: DictConfig) -> TraceDataset:

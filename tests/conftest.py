@@ -1,0 +1,27 @@
+import os
+from pathlib import Path
+
+import pytest
+
+# Offline always: no W&B upload, no hub access (design.md section 9).
+os.environ["WANDB_MODE"] = "offline"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+REPO = Path(__file__).resolve().parents[1]
+WHO_AND_WHEN = Path(os.environ.get("PBKV_TRACES_DIR", REPO.parent / "shared" / "traces")) / "who_and_when"
+
+
+@pytest.fixture(scope="session")
+def counter():
+    from data.tokenizer import TokenCounter
+
+    return TokenCounter.wordpiece()
+
+
+@pytest.fixture(scope="session")
+def hover_small():
+    from data.generators import Hover
+
+    return Hover().generate(40, seed=3)

@@ -1,0 +1,96 @@
+"""Generated workloads: determinism, latent-driven paths, growing context, realistic sizes."""
+
+import json
+import re
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from data.generators import WORKLOADS, FinanceBench, Hover, SweBench, _FILMS, _PEOPLE, _PLACES
+
+
+def by_workflow(traces):
+    groups = defaultdict(list)
+    for c in traces.calls:
+        groups[c["workflow_id"]].append(c)
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_same_seed_same_traces(name):
+    make = WORKLOADS[name]
+    a, b, c = make().generate(30, seed=7), make().generate(30, seed=7), make().generate(30, seed=8)
+    assert a.calls == b.calls and a.segments == b.segments
+    assert a.calls != c.calls
+    # workflow i does not depend on how many are generated
+    assert make().generate(10, seed=7).calls == [x for x in a.calls if int(x["workflow_id"][-6:]) < 10]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_context_grows_like_an_agent_transcript(name):
+    for calls in by_workflow(WORKLOADS[name]().generate(25, seed=0)):
+        assert [c["step"] for c in calls] == list(range(len(calls)))
+        assert calls[-1]["end_of_workflow"] and not any(c["end_of_workflow"] for c in calls[:-1])
+        for prev, cur in zip(calls, calls[1:]):
+            assert cur["prompt_ids"][0] == f"sys:{name}:{cur['agent']}"
+            assert cur["prompt_ids"][1] == f"task:{cur['workflow_id']}"
+            # everything the previous call saw after its system prompt, then its output
+            assert cur["prompt_ids"][1:len(prev["prompt_ids"]) + 1] == prev["prompt_ids"][1:] + [prev["output_id"]]
+            assert sum(cur["prompt_segment_tokens"][1:]) > sum(prev["prompt_segment_tokens"][1:])
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_realistic_sizes(name):
+    traces = WORKLOADS[name]().generate(200, seed=0)
+    sys_tokens = [s["tokens"] for s in traces.segments.values() if s["kind"] == "system"]
+    tool_tokens = [s["tokens"] for s in traces.segments.values() if s["kind"] == "tool"]
+    assert 500 <= min(sys_tokens) and max(sys_tokens) <= 3000
+    assert max(tool_tokens) >= 5000
+    assert any(c["tool_time"] > 0 for c in traces.calls)
+
+
+def skeleton(task: str) -> str:
+    for name in _PEOPLE + _FILMS + _PLACES:
+        task = task.replace(name, "X")
+    return task
+
+
+def test_hover_loops_follow_the_hops_the_claim_reveals():
+    traces = Hover().generate(400, seed=0)
+    hops_of_skeleton, retrievals = {}, defaultdict(list)
+    for calls in by_workflow(traces):
+        latent = json.loads(calls[0]["latent"])
+        # the task text determines the hop count: no skeleton appears with two hop counts
+        assert hops_of_skeleton.setdefault(skeleton(calls[0]["task"]), latent["hops"]) == latent["hops"]
+        n_retrievals = sum(c["agent"] == "retriever" for c in calls)
+        assert n_retrievals == latent["hops"] + latent["extra_hops"]
+        retrievals[latent["hops"]].append(n_retrievals)
+    means = [np.mean(retrievals[h]) for h in sorted(retrievals)]
+    assert sorted(retrievals) == [1, 2, 3, 4] and means == sorted(means)
+
+
+def test_swebench_retries_follow_difficulty():
+    traces = SweBench().generate(600, seed=0)
+    retries = defaultdict(list)
+    for calls in by_workflow(traces):
+        latent = json.loads(calls[0]["latent"])
+        n_tests = sum(c["agent"] == "tester" for c in calls)
+        assert n_tests == latent["failed_test_runs"] + 1
+        assert [c["agent"] for c in calls][:3] == ["planner", "coder", "tester"] and calls[-1]["agent"] == "reviewer"
+        assert re.search({"easy": r"Typo|misleading|Deprecation", "medium": r"None|keyword|Off-by-one",
+                          "hard": r"Race|leak|redesign"}[latent["difficulty"]], calls[0]["task"])
+        retries[latent["difficulty"]].append(n_tests - 1)
+    assert np.mean(retries["easy"]) < np.mean(retries["medium"]) < np.mean(retries["hard"])
+    assert max(retries["hard"]) >= 3  # long loops, with replanning, do occur
+
+
+def test_financebench_is_static():
+    paths = {tuple(c["agent"] for c in calls) for calls in by_workflow(FinanceBench().generate(100, seed=0))}
+    assert paths == {("retriever", "analyst", "calculator", "writer")}
+
+
+def test_system_prompts_are_shared_across_workflows():
+    traces = Hover().generate(20, seed=0)
+    sys_ids = {c["prompt_ids"][0] for c in traces.calls}
+    assert sys_ids == {f"sys:hover:{a}" for a in ("retriever", "summarizer", "query_generator", "verifier")}
