@@ -1,0 +1,36 @@
+"""Replay workflows through the serving simulator under each cache policy (design.md sections 5-6).
+
+    python evaluate.py                                              # every policy on hover
+    python evaluate.py policies=[lru,kvflow,pbkv_lae,pbkv,oracle] sim.gpu_tokens=300000 sim.concurrency=32
+    python evaluate.py predictor.checkpoint=RUN/predictor.pt prefetch=[none,conservative]
+    python evaluate.py -m sim.gpu_tokens=150000,300000,600000
+
+Writes summary.json, hit_rate.png and latency.png to the run directory, prints the table and logs
+both to W&B (offline unless WANDB_MODE says otherwise). Logic: serving_integration/evaluation.py.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from serving_integration.evaluation import evaluate, format_table, log_wandb, plot
+
+log = logging.getLogger(__name__)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = evaluate(cfg, run_dir)
+    plots = plot(summary["rows"], run_dir)
+    if cfg.wandb.enabled:
+        log_wandb(cfg, summary, plots, run_dir)
+    print(format_table(summary["rows"]))
+    print(f"summary: {run_dir / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()

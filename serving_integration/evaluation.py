@@ -1,0 +1,205 @@
+"""evaluate.py's logic: replay one workload under each policy, collect rows, print, plot, log.
+
+A row is one (workload, policy, prefetch, gpu_tokens, concurrency, noise) run of the simulator on
+the same workflows and seed. The policies (`policies=[...]`):
+
+    lru, lfu, tlru    SGLang's built-in orders, no predictions
+    kvflow            KVFlow: its steps-to-execution order from a static agent step graph fitted
+                      on the train split, with its own (aggressive) prefetch for the next agents
+    pbkv_lae          lifecycle-aware LRU: retired cache first
+    pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
+                      first-order Markov predictor fitted on the train split)
+    pbkv_perfect      the same score fed the true future agents (a perfect predictor: a bound)
+    oracle            clairvoyant eviction by furthest next use of the real future (a bound)
+
+`prefetch=[none,conservative,aggressive]` applies to pbkv and pbkv_perfect; `predictor.noise`
+mixes their predictions with random distributions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from data import store
+from serving_integration.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
+                                             vocabulary)
+from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
+
+log = logging.getLogger(__name__)
+
+PREDICTIVE = ("pbkv", "pbkv_perfect")
+POLICIES = ("lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle")
+ROW_KEYS = ("workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise")
+
+
+def learned_source(cfg: DictConfig, train_sequences: list[list[str]]):
+    """The predictor behind `pbkv`: a checkpoint, or a Markov predictor fitted on the train split."""
+    from models import load_predictor
+    from models.markov import MarkovPredictor
+
+    if cfg.predictor.checkpoint:
+        predictor = load_predictor(cfg.predictor.checkpoint)
+        return ModelSource(predictor), {"checkpoint": str(cfg.predictor.checkpoint),
+                                        "family": predictor.family}
+    names = vocabulary(a for seq in train_sequences for a in seq)
+    index = {a: i for i, a in enumerate(names)}
+    predictor = MarkovPredictor.from_sequences(names, cfg.pbkv.horizon, [[index[a] for a in s] for s in train_sequences],
+                                               order=1)
+    return ModelSource(predictor), {"checkpoint": None, "family": "markov (order 1, fitted on the train split)"}
+
+
+def checkpoint_metrics(path: str | None) -> dict:
+    if not path:
+        return {}
+    from models import read_checkpoint
+
+    return dict(read_checkpoint(path).get("metrics", {}))
+
+
+def policy_runs(cfg: DictConfig, train_sequences, agent_names):
+    """(row label, simulate() keyword arguments) for each requested policy and prefetch mode."""
+    unknown = sorted(set(cfg.policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    learned = None
+    for name in cfg.policies:
+        if name == "kvflow":
+            yield name, "aggressive", dict(policy="kvflow", policy_options=dict(cfg.kvflow), prefetch="aggressive",
+                                           predictions=StaticGraphSource(train_sequences, cfg.pbkv.horizon))
+        elif name in PREDICTIVE:
+            if name == "pbkv":
+                learned = learned or learned_source(cfg, train_sequences)
+                source = learned[0]
+            else:
+                source = PerfectSource(agent_names, cfg.pbkv.horizon)
+            for mode in cfg.prefetch:
+                noisy = NoisySource(source, cfg.predictor.noise, cfg.seed)
+                yield name, mode, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
+        else:
+            options = dict(cfg.tlru) if name == "tlru" else {}
+            yield name, "none", dict(policy=name, policy_options=options)
+
+
+def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
+    ds = store.resolve(cfg.data)
+    rows = ds.rows(None if cfg.split == "all" else cfg.split)
+    workflows = workflows_from_rows(rows)[: cfg.sim.n_workflows or None]
+    if not workflows:
+        raise ValueError(f"split '{cfg.split}' of {cfg.data.name} has no workflows")
+    train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
+    agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
+    sim_cfg = SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"})
+    cost = instantiate(cfg.cost_model)
+    summary_rows, predictor_info = [], {}
+    for name, mode, kwargs in policy_runs(cfg, train_sequences, agent_names):
+        result = simulate(workflows, sim_cfg, cost, **kwargs)
+        row = {"workload": cfg.data.name, "policy": name, "prefetch": mode, "gpu_tokens": sim_cfg.gpu_tokens,
+               "concurrency": sim_cfg.concurrency, "noise": cfg.predictor.noise if name in PREDICTIVE else 0.0,
+               "cost_model": cost.name, "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows),
+               "seed": cfg.seed, **result}
+        summary_rows.append(row)
+        log.info("%s/%s: hit rate %.3f, mean workflow latency %.2f s", name, mode, row["hit_rate"],
+                 row["mean_workflow_latency_s"])
+    if "pbkv" in cfg.policies:
+        predictor_info = {**learned_source(cfg, train_sequences)[1],
+                          "test_metrics": checkpoint_metrics(cfg.predictor.checkpoint)}
+    summary = {"rows": summary_rows, "predictor": predictor_info,
+               "config": OmegaConf.to_container(cfg, resolve=True)}
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+# -------------------------------------------------------------------- presentation
+
+TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
+                 ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
+                 ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
+                 ("x_lru_latency", "{:.2f}"))
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Rows with the ratios against LRU on the same setting (hit rate up, latency speed-up)."""
+    lru = {tuple(r[k] for k in ROW_KEYS[3:5]): r for r in rows if r["policy"] == "lru"}
+    out = []
+    for r in rows:
+        base = lru.get(tuple(r[k] for k in ROW_KEYS[3:5]))
+        out.append({**r, "host_hit": r["host_hit_tokens"] / r["prompt_tokens"],
+                    "x_lru_hit": r["hit_rate"] / base["hit_rate"] if base and base["hit_rate"] else float("nan"),
+                    "x_lru_latency": base["mean_workflow_latency_s"] / r["mean_workflow_latency_s"] if base else float("nan")})
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    rows = table_rows(rows)
+    head = [name for name, _ in TABLE_COLUMNS]
+    body = [[fmt.format(r[name]) for name, fmt in TABLE_COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    first = rows[0]
+    title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
+             f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
+    return "\n".join([title, line(head), *(line(b) for b in body)])
+
+
+def plot(rows: list[dict], run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["policy"] + ("" if r["prefetch"] in ("none", "aggressive") and r["policy"] != "kvflow"
+                             or r["policy"] == "kvflow" else f"+{r['prefetch'][:4]}") for r in rows]
+    setting = f"{rows[0]['workload']}, gpu_tokens={rows[0]['gpu_tokens']}, C={rows[0]['concurrency']}"
+    paths = []
+    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
+    gpu = [r["hit_rate"] for r in rows]
+    host = [r["host_hit_tokens"] / r["prompt_tokens"] for r in rows]
+    ax.bar(labels, gpu, label="GPU hit")
+    ax.bar(labels, host, bottom=gpu, label="host hit", alpha=0.5)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title(f"KV-cache hit rate ({setting})")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(run_dir / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["mean_workflow_latency_s"] for r in rows], width=0.4, label="mean")
+    ax.bar([i + 0.2 for i in x], [r["p99_workflow_latency_s"] for r in rows], width=0.4, label="p99")
+    ax.set_xticks(list(x), labels, rotation=30)
+    ax.set_ylabel("workflow latency (s)")
+    ax.set_title(f"End-to-end workflow latency ({setting})")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(run_dir / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:
+    import wandb
+
+    run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
+                     group=cfg.data.name, config=summary["config"], reinit="finish_previous")
+    rows = summary["rows"]
+    columns = list(rows[0])
+    run.log({"summary": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows]),
+             **{p.stem: wandb.Image(str(p)) for p in plots}})
+    run.finish()

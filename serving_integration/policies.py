@@ -1,0 +1,316 @@
+"""KV-cache eviction and prefetch policies: the one implementation used by the simulator and
+by the SGLang plugin.
+
+A policy is a small class with one ordering method, `priority(node)`: smaller is evicted first,
+as in SGLang's `EvictionStrategy.get_priority`. The eviction machinery (a heap over evictable
+nodes, in the simulator's tree or in SGLang's) is shared and knows no policy. A node is anything
+with `id`, `last_access_time` and `hit_count` (T-LRU also reads depths); what a policy knows of
+workflows comes from a `WorkflowLedger`, kept outside the nodes, keyed by node id.
+
+Policies (design.md section 5):
+    lru        last access time                                     (SGLang's default)
+    lfu        (hit count, last access)                             (SGLang's)
+    tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)
+    kvflow     larger steps-to-execution first, from a static agent step graph (KVFlow)
+    pbkv_lae   lifecycle-aware: retired cache first, then LRU
+    pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties
+    oracle     clairvoyant: furthest next use first (simulator only; it needs the real future)
+
+PBKV's score of node c with the live workflows W_act(c) that used it:
+
+    Score(c) = sum_{k=1..K} gamma^(k-1) sum_{w in W_act(c)} s_w^(k) <A_w(c), P_w^(k)>,
+    s_w^(k) = prod_{j<k} (1 - P_w^(j)[END]),
+
+A_w(c) the indicator of w's agents that accessed c, P_w^(k) the predicted agent distribution k
+calls ahead. The ledger folds each workflow's predictions into one value per agent,
+v_w[a] = sum_k gamma^(k-1) s_w^(k) P_w^(k)[a], so a score costs O(sum_w |A_w(c)|).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from models.base import survival
+
+INF = math.inf
+
+
+class CacheNode(Protocol):
+    id: int
+    last_access_time: float
+    hit_count: int
+
+
+class WorkflowLedger:
+    """Which live workflows, and which of their agents, used each cache node; their predictions.
+
+    Ordered dicts stand in for sets throughout, so iteration order (and with it every tie) is
+    the same in every run."""
+
+    def __init__(self, gamma: float = 0.5):
+        self.gamma = gamma
+        self.users: dict[int, dict[str, dict[str, None]]] = {}  # node id -> workflow -> agents
+        self.nodes_of: dict[str, dict[int, None]] = {}  # workflow -> node ids it used
+        self.reuse_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> v_w[agent]
+        self.next_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> s^(1) P^(1)[agent]
+        self.steps_to: dict[str, dict[str, int]] = {}  # workflow -> agent -> first k it is the argmax
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, workflow: str) -> None:
+        self.nodes_of.setdefault(workflow, {})
+
+    def is_live(self, workflow: str) -> bool:
+        return workflow in self.nodes_of
+
+    def record_access(self, node_id: int, workflow: str, agent: str) -> None:
+        if workflow not in self.nodes_of:  # unknown or already ended: the node stays unowned
+            return
+        self.users.setdefault(node_id, {}).setdefault(workflow, {})[agent] = None
+        self.nodes_of[workflow][node_id] = None
+
+    def end(self, workflow: str) -> list[int]:
+        """Retire a workflow; returns the nodes it used (their priorities changed)."""
+        nodes = list(self.nodes_of.pop(workflow, {}))
+        for node_id in nodes:
+            owners = self.users.get(node_id)
+            if owners is not None:
+                owners.pop(workflow, None)
+                if not owners:
+                    del self.users[node_id]
+        for table in (self.reuse_value, self.next_value, self.steps_to):
+            table.pop(workflow, None)
+        return nodes
+
+    def split(self, prefix_id: int, suffix_id: int) -> None:
+        """A node split: the new prefix node was used by everyone who used the old node."""
+        owners = self.users.get(suffix_id)
+        if not owners:
+            return
+        self.users[prefix_id] = {w: dict(agents) for w, agents in owners.items()}
+        for w in owners:
+            self.nodes_of[w][prefix_id] = None
+
+    def forget(self, node_id: int) -> None:
+        for w in self.users.pop(node_id, {}):
+            self.nodes_of[w].pop(node_id, None)
+
+    # ---------------------------------------------------------------- predictions
+
+    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs: torch.Tensor) -> None:
+        """probs: [B, K, A+1] for B workflows, END last (a predictor's output)."""
+        probs = probs.detach().to(torch.float64).cpu()
+        alive = survival(probs).numpy()  # [B, K]
+        probs = probs.numpy()
+        discount = self.gamma ** np.arange(probs.shape[1])
+        agents = probs[..., :-1]
+        value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
+        likeliest = agents.argmax(axis=-1)  # [B, K]
+        beats_end = agents.max(axis=-1) > probs[..., -1]
+        for i, w in enumerate(workflows):
+            if w not in self.nodes_of:
+                continue
+            self.reuse_value[w] = dict(zip(agent_names, value[i].tolist()))
+            self.next_value[w] = dict(zip(agent_names, agents[i, 0].tolist()))  # s^(1) = 1
+            steps: dict[str, int] = {}
+            for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
+                if alive_k:
+                    steps.setdefault(agent_names[a], k)
+            self.steps_to[w] = steps
+
+    # ---------------------------------------------------------------- node views
+
+    def is_retired(self, node_id: int) -> bool:
+        return node_id not in self.users
+
+    def _weighted(self, node_id: int, table: dict[str, dict[str, float]]) -> float:
+        total = 0.0
+        for w, agents in self.users.get(node_id, {}).items():
+            values = table.get(w)
+            if values:
+                total += sum(values.get(a, 0.0) for a in agents)
+        return total
+
+    def score(self, node_id: int) -> float:
+        return self._weighted(node_id, self.reuse_value)
+
+    def next_step_score(self, node_id: int) -> float:
+        return self._weighted(node_id, self.next_value)
+
+    def steps_to_execution(self, node_id: int, hold_step: int) -> float:
+        """KVFlow: min over users of min(hold_step + 1, steps until one of its agents runs)."""
+        best = INF
+        for w, agents in self.users.get(node_id, {}).items():
+            steps = self.steps_to.get(w, {})
+            for a in agents:
+                best = min(best, steps.get(a, hold_step + 1), hold_step + 1)
+        return best
+
+
+# -------------------------------------------------------------------- eviction policies
+
+
+class EvictionPolicy:
+    name = "base"
+    uses_predictions = False
+
+    def priority(self, node: CacheNode) -> tuple:
+        raise NotImplementedError
+
+    def on_evict(self, node: CacheNode) -> None:
+        """Called when a node leaves the GPU (KVFlow's parents inherit from children)."""
+
+
+class LRU(EvictionPolicy):
+    name = "lru"
+
+    def priority(self, node):
+        return (node.last_access_time,)
+
+
+class LFU(EvictionPolicy):
+    name = "lfu"
+
+    def priority(self, node):
+        return (node.hit_count, node.last_access_time)
+
+
+class TLRU(EvictionPolicy):
+    """SGLang's Tail-Optimised LRU (its TLRUStrategy, Zhang et al. arXiv:2510.15152): a branch of
+    history length L (its deepest extent) whose next prompt adds Q tokens needs only its first
+    L + Q - threshold tokens cached to meet the TTFT budget; nodes wholly past that are evicted
+    first, then plain LRU. With threshold 0 it is LRU."""
+
+    name = "tlru"
+
+    def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0):
+        self.threshold, self.next_prompt_estimate = threshold, next_prompt_estimate
+
+    def priority(self, node):
+        budget = max(node.max_depth_tokens + self.next_prompt_estimate - self.threshold, 0)
+        tel_safe = node.depth_tokens - node.num_tokens >= budget
+        return (-1 if tel_safe else 0, node.last_access_time)
+
+
+class _LedgerPolicy(EvictionPolicy):
+    def __init__(self, ledger: WorkflowLedger):
+        self.ledger = ledger
+
+
+class LifecycleLRU(_LedgerPolicy):
+    name = "pbkv_lae"
+
+    def priority(self, node):
+        return (0 if self.ledger.is_retired(node.id) else 1, node.last_access_time)
+
+
+class PBKV(_LedgerPolicy):
+    name = "pbkv"
+    uses_predictions = True
+
+    def priority(self, node):
+        if self.ledger.is_retired(node.id):
+            return (0, 0.0, node.last_access_time)
+        return (1, self.ledger.score(node.id), node.last_access_time)
+
+
+class KVFlow(_LedgerPolicy):
+    """Larger steps-to-execution first (retired cache counts as never needed); a parent inherits
+    the largest value of its evicted children; LRU breaks ties."""
+
+    name = "kvflow"
+    uses_predictions = True
+
+    def __init__(self, ledger: WorkflowLedger, hold_step: int = 3):
+        super().__init__(ledger)
+        self.hold_step = hold_step
+        self._inherited: dict[int, float] = {}
+
+    def steps(self, node) -> float:
+        return max(self.ledger.steps_to_execution(node.id, self.hold_step), self._inherited.get(node.id, 0))
+
+    def priority(self, node):
+        return (-self.steps(node), node.last_access_time)
+
+    def on_evict(self, node):
+        parent = getattr(node, "parent", None)
+        if parent is not None:
+            self._inherited[parent.id] = max(self._inherited.get(parent.id, 0), self.steps(node))
+        self._inherited.pop(node.id, None)
+
+
+class Oracle(EvictionPolicy):
+    """Clairvoyant (Belady): evict what is next used furthest in the future first. `next_use`
+    gives the distance, in calls, to the next call that reads the node (inf: never)."""
+
+    name = "oracle"
+
+    def __init__(self, next_use: Callable[[CacheNode], float]):
+        self.next_use = next_use
+
+    def priority(self, node):
+        return (-self.next_use(node), node.last_access_time)
+
+
+def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:
+    if name == "lru":
+        return LRU()
+    if name == "lfu":
+        return LFU()
+    if name == "tlru":
+        return TLRU(**options)
+    if name == "pbkv_lae":
+        return LifecycleLRU(ledger)
+    if name == "pbkv":
+        return PBKV(ledger)
+    if name == "kvflow":
+        return KVFlow(ledger, **options)
+    if name == "oracle":
+        if next_use is None:
+            raise ValueError("the oracle policy needs the real future (simulator only)")
+        return Oracle(next_use)
+    raise ValueError(f"unknown eviction policy '{name}'; choose from {', '.join(EVICTION_POLICIES)}")
+
+
+EVICTION_POLICIES = ("lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "oracle")
+
+
+# -------------------------------------------------------------------- prefetch
+
+
+class Prefetch:
+    """Host-to-GPU prefetch of cache predicted to be read on the next call.
+
+    none:         no prefetch.
+    conservative: PBKV's. Loads only into free GPU space plus retired cache (never evicts cache
+                  a live workflow used), only in decode-only iterations or idle time, within
+                  min(that space, PCIe bandwidth x the iteration's time); candidates ranked by
+                  the one-step (k = 1) score.
+    aggressive:   the ablation (and KVFlow's way): may evict any unlocked cache, in eviction
+                  order, to make room; same bandwidth budget and ranking.
+    """
+
+    MODES = ("none", "conservative", "aggressive")
+
+    def __init__(self, mode: str, ledger: WorkflowLedger):
+        if mode not in self.MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(self.MODES)}; got '{mode}'")
+        self.mode, self.ledger = mode, ledger
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def may_evict(self, node: CacheNode) -> bool:
+        return self.mode == "aggressive" or self.ledger.is_retired(node.id)
+
+    def rank(self, candidates: list) -> list:
+        """Candidates (nodes) with a positive one-step score, best first; ties by node id."""
+        scored = [(self.ledger.next_step_score(n.id), n) for n in candidates]
+        scored = [(s, n) for s, n in scored if s > 0]
+        scored.sort(key=lambda item: (-item[0], item[1].id))
+        return [n for _, n in scored]

@@ -1,0 +1,113 @@
+"""Where the simulator's predictions come from: a trained predictor (train.py checkpoint), the
+true future (the perfect predictor, a bound), or KVFlow's static agent step graph; optionally
+mixed with noise. Every source returns what a `models.Predictor` returns: [B, K, A+1]
+probabilities over `agent_names` plus END (last), for a batch of live workflows."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Protocol, Sequence
+
+import torch
+
+from models.base import UNK, WorkflowPrefix
+
+
+class LiveWorkflow(Protocol):
+    """What a prediction source may read of a live workflow in the simulator."""
+
+    agents: list[str]  # agents called so far, in order
+    task: str
+    hidden: list[float] | None
+    future_agents: list[str]  # the real remaining calls (only the perfect predictor reads these)
+
+
+class PredictionSource(Protocol):
+    agent_names: list[str]
+    horizon: int
+
+    def predict(self, workflows: Sequence[LiveWorkflow]) -> torch.Tensor: ...
+
+
+class ModelSource:
+    """A trained predictor (train.py checkpoint)."""
+
+    def __init__(self, predictor):
+        self.predictor = predictor
+        self.agent_names, self.horizon = predictor.agent_names, predictor.horizon
+
+    def predict(self, workflows):
+        return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
+
+
+def vocabulary(agents) -> list[str]:
+    return [UNK] + sorted(set(agents) - {UNK})
+
+
+def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horizon: int) -> torch.Tensor:
+    """[B, K, A+1]: step k is the path's k-th agent, or END once the path runs out."""
+    index = {a: i for i, a in enumerate(agent_names)}
+    end = len(agent_names)
+    out = torch.zeros(len(paths), horizon, end + 1)
+    for b, path in enumerate(paths):
+        for k in range(horizon):
+            out[b, k, index.get(path[k], 0) if k < len(path) else end] = 1.0
+    return out
+
+
+class PerfectSource:
+    """The true next K agents of each workflow: pbkv with a perfect predictor (an upper bound)."""
+
+    def __init__(self, agent_names: list[str], horizon: int):
+        self.agent_names, self.horizon = agent_names, horizon
+
+    def predict(self, workflows):
+        return _one_hot_paths([w.future_agents[: self.horizon] for w in workflows], self.agent_names, self.horizon)
+
+
+class StaticGraphSource:
+    """KVFlow's view: one static agent step graph, each agent followed by its most frequent
+    successor in the training traces (ties: alphabetical; END if it most often ends the
+    workflow); every workflow is assumed to walk that graph."""
+
+    def __init__(self, train_workflows: Sequence[Sequence[str]], horizon: int):
+        successors: dict[str, Counter] = defaultdict(Counter)
+        for agents in train_workflows:
+            for a, b in zip(agents, list(agents[1:]) + [None]):
+                successors[a][b] += 1
+        self.next_of = {a: min(c, key=lambda b: (-c[b], b is None, b or "")) for a, c in successors.items()}
+        self.agent_names = vocabulary(a for agents in train_workflows for a in agents)
+        self.horizon = horizon
+
+    def path_from(self, agent: str) -> list[str]:
+        path = []
+        while len(path) < self.horizon:
+            agent = self.next_of.get(agent)
+            if agent is None:
+                break
+            path.append(agent)
+        return path
+
+    def predict(self, workflows):
+        return _one_hot_paths([self.path_from(w.agents[-1]) for w in workflows], self.agent_names, self.horizon)
+
+
+class NoisySource:
+    """P' = (1 - eps) P + eps R, R drawn uniformly from the simplex (seeded): prediction error of a
+    controlled size, for robustness sweeps."""
+
+    def __init__(self, inner: PredictionSource, eps: float, seed: int):
+        if not 0.0 <= eps <= 1.0:
+            raise ValueError(f"predictor.noise must be in [0, 1]; got {eps}")
+        self.inner, self.eps = inner, eps
+        self.agent_names, self.horizon = inner.agent_names, inner.horizon
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def predict(self, workflows):
+        probs = self.inner.predict(workflows)
+        if self.eps == 0:
+            return probs
+        # normalised Exp(1) draws are uniform on the simplex
+        noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=self.generator)
+        noise = noise / noise.sum(dim=-1, keepdim=True)
+        return (1 - self.eps) * probs + self.eps * noise.to(probs.dtype)

@@ -1,0 +1,63 @@
+"""evaluate.py run as a user runs it, with small overrides."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate", "gpu_hit_tokens",
+              "host_hit_tokens", "miss_tokens", "prompt_tokens", "mean_workflow_latency_s", "p50_workflow_latency_s",
+              "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision"}
+
+
+def evaluate(run_dir, *overrides, cache):
+    done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}",
+                           "data.source.n_workflows=60", "split=all", "sim.gpu_tokens=120000",
+                           "sim.concurrency=8", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text()), done.stdout
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def test_every_policy_one_table_and_plots(tmp_path, cache):
+    summary, stdout = evaluate(tmp_path / "run", "wandb.enabled=false", "prefetch=[none,conservative]", cache=cache)
+    rows = summary["rows"]
+    assert [(r["policy"], r["prefetch"]) for r in rows] == [
+        ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"),
+        ("pbkv", "none"), ("pbkv", "conservative"), ("pbkv_perfect", "none"), ("pbkv_perfect", "conservative"),
+        ("oracle", "none")]
+    for r in rows:
+        assert ROW_FIELDS <= set(r)
+        assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
+        assert r["hit_rate"] == pytest.approx(r["gpu_hit_tokens"] / r["prompt_tokens"])
+    by = {(r["policy"], r["prefetch"]): r for r in rows}
+    assert by["pbkv", "conservative"]["prefetch_precision"] is not None and by["lru", "none"]["prefetch_precision"] is None
+    assert by["tlru", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # threshold 0: T-LRU is LRU
+    assert summary["predictor"]["family"].startswith("markov")
+    for png in ("hit_rate.png", "latency.png"):
+        assert (tmp_path / "run" / png).stat().st_size > 10_000
+    assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
+
+
+def test_same_config_same_summary_and_wandb_offline(tmp_path, cache):
+    args = ("policies=[lru,pbkv]", "predictor.noise=0.2", "prefetch=[conservative]")
+    first, _ = evaluate(tmp_path / "a", "wandb.enabled=false", *args, cache=cache)
+    second, _ = evaluate(tmp_path / "b", "wandb.enabled=true", *args, cache=cache)
+    assert first["rows"] == second["rows"]
+    assert list((tmp_path / "b" / "wandb").glob("offline-run-*"))
+    third, _ = evaluate(tmp_path / "c", "wandb.enabled=false", *args, "seed=1", cache=cache)
+    assert third["rows"][1]["hit_rate"] != first["rows"][1]["hit_rate"]
+
+
+def test_unknown_policy_is_a_clear_error(tmp_path, cache):
+    done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={cache}",
+                           "data.source.n_workflows=20", "policies=[lru,arc]", "wandb.enabled=false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr

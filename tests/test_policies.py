@@ -1,0 +1,144 @@
+"""Each policy's eviction order on hand-built trees."""
+
+import math
+import types
+
+import pytest
+import torch
+
+from serving_integration.policies import (KVFlow, LFU, LRU, PBKV, TLRU, LifecycleLRU, Oracle, Prefetch,
+                                          WorkflowLedger, make_policy)
+from serving_integration.radix import RadixTree
+
+AGENTS = ["<unk>", "coder", "planner", "tester"]  # END is index 4
+
+
+def one_hot(*steps):
+    """[K, A+1] with the given agent (or "END") at each step."""
+    probs = torch.zeros(len(steps), len(AGENTS) + 1)
+    for k, a in enumerate(steps):
+        probs[k, len(AGENTS) if a == "END" else AGENTS.index(a)] = 1.0
+    return probs
+
+
+def tree_with(policy, *keys):
+    tree = RadixTree(10_000, 0, priority=policy.priority, on_evict=policy.on_evict)
+    leaves = []
+    for key in keys:
+        tree.private_gpu += len(key)
+        leaves.append(tree.insert(list(key), [1] * len(key))[1][-1])
+        tree.private_gpu -= len(key)
+    return tree, leaves
+
+
+def eviction_order(tree):
+    return ["".join(n.units) for n in tree.evict_gpu(10**9)]
+
+
+def test_lru_and_lfu():
+    tree, _ = tree_with(LRU(), "aa", "bb", "cc")
+    tree.match(list("aa"), [1, 1])
+    assert eviction_order(tree) == ["bb", "cc", "aa"]
+    tree, _ = tree_with(LFU(), "aa", "bb", "cc")
+    for _ in range(2):
+        tree.insert(list("bb"), [1, 1])
+    assert eviction_order(tree) == ["aa", "cc", "bb"]
+
+
+def test_tlru_matches_sglangs_strategy():
+    from serving_integration.sglang_compat import install_torchvision_guard
+
+    install_torchvision_guard()
+    evict_policy = pytest.importorskip("sglang.srt.mem_cache.evict_policy")
+    ours, theirs = TLRU(threshold=5, next_prompt_estimate=2), evict_policy.TLRUStrategy(5, 2)
+    tree, leaves = tree_with(ours, "abcdefgh", "abxy", "q")
+    for node in tree.nodes():
+        sglang_node = types.SimpleNamespace(key=[0] * node.num_tokens, last_access_time=node.last_access_time,
+                                            _tlru_history_len=node.max_depth_tokens,
+                                            _tlru_cached_prefix_len=node.depth_tokens)
+        assert ours.priority(node) == theirs.get_priority(sglang_node)
+    # branch "abxy" needs only its first 4 + 2 - 5 = 1 token cached, so "xy" (tokens 3-4) is wholly
+    # past its budget; "q" (1 + 2 - 5 < 0) needs nothing cached. Both go first, oldest first, and
+    # only then, by recency, the long branch, whose budget (8 + 2 - 5 = 5) its tail still overlaps
+    assert eviction_order(tree) == ["xy", "q", "cdefgh", "ab"]
+
+
+def test_lifecycle_retired_first():
+    ledger = WorkflowLedger()
+    tree, (a, b) = tree_with(LifecycleLRU(ledger), "aa", "bb")
+    for w, node in (("w1", a), ("w2", b)):
+        ledger.start(w)
+        ledger.record_access(node.id, w, "coder")
+        tree.refresh(node)  # the ledger changed: re-rank the node (the simulator does this too)
+        assert not ledger.is_retired(node.id)
+    tree.match(list("aa"), [1, 1])  # a is now also the most recent
+    tree.refresh_ids(ledger.end("w1"))
+    assert eviction_order(tree) == ["aa", "bb"]
+
+
+def test_pbkv_score_of_a_prefix_shared_by_two_workflows():
+    ledger = WorkflowLedger(gamma=0.5)
+    policy = PBKV(ledger)
+    tree, (shared, only_w2, retired) = tree_with(policy, "sp", "xy", "zz")
+    shared_prefix = tree.by_key[shared.key_id]
+    for w in ("w1", "w2", "w3"):
+        ledger.start(w)
+    ledger.record_access(shared.id, "w1", "planner")
+    ledger.record_access(shared.id, "w2", "coder")
+    ledger.record_access(only_w2.id, "w2", "tester")
+    ledger.record_access(retired.id, "w3", "coder")
+    probs = torch.stack([
+        torch.tensor([[0.0, 0.2, 0.6, 0.1, 0.1], [0.0, 0.5, 0.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0, 0.0]]),
+        torch.tensor([[0.0, 0.7, 0.0, 0.3, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]),
+    ])
+    ledger.set_predictions(["w1", "w2"], AGENTS, probs)
+    # w1 on planner: 1 * 0.6 + 0.5 * (1 - 0.1) * 0.0 + 0.25 * (0.9 * 0.5) * 1.0 = 0.7125
+    # w2 on coder:   1 * 0.7 + 0 + 0 = 0.7;  w2 on tester: 0.3 + 0.5 * 1.0 = 0.8
+    assert ledger.score(shared_prefix.id) == pytest.approx(0.7125 + 0.7)
+    assert ledger.score(only_w2.id) == pytest.approx(0.8)
+    tree.refresh_ids(ledger.end("w3"))
+    tree.refresh_many(tree.nodes())
+    # retired first, then the lower score, and the shared prefix last
+    assert eviction_order(tree) == ["zz", "xy", "sp"]
+
+
+def test_kvflow_steps_to_execution_and_inheritance():
+    ledger = WorkflowLedger()
+    policy = KVFlow(ledger, hold_step=3)
+    tree, (soon, later, unknown) = tree_with(policy, "ab", "ac", "dd")
+    parent = soon.parent
+    ledger.start("w")
+    ledger.record_access(soon.id, "w", "coder")
+    ledger.record_access(later.id, "w", "tester")
+    ledger.record_access(unknown.id, "w", "planner")
+    ledger.set_predictions(["w"], AGENTS, one_hot("coder", "coder", "tester")[None])
+    assert ledger.steps_to_execution(soon.id, 3) == 1
+    assert ledger.steps_to_execution(later.id, 3) == 3
+    assert ledger.steps_to_execution(unknown.id, 3) == 4  # not in the next K steps: hold_step + 1
+    tree.refresh_many(tree.nodes())
+    order = tree.evict_gpu(10**9)
+    assert ["".join(n.units) for n in order][:3] == ["dd", "c", "b"]
+    assert order[-1] is parent and policy._inherited.get(parent.id) is None  # inherited 3 then 1, evicted
+
+
+def test_oracle_evicts_furthest_next_use():
+    distance = {}
+    tree, (a, b, c) = tree_with(Oracle(lambda node: distance.get(node.id, math.inf)), "aa", "bb", "cc")
+    distance.update({a.id: 5, b.id: 1})
+    tree.refresh_many(tree.nodes())
+    assert eviction_order(tree) == ["cc", "aa", "bb"]
+
+
+def test_prefetch_modes():
+    ledger = WorkflowLedger()
+    ledger.start("w")
+    ledger.record_access(1, "w", "coder")
+    live, retired = types.SimpleNamespace(id=1), types.SimpleNamespace(id=2)
+    assert Prefetch("conservative", ledger).may_evict(retired) and not Prefetch("conservative", ledger).may_evict(live)
+    assert Prefetch("aggressive", ledger).may_evict(live)
+    ledger.set_predictions(["w"], AGENTS, one_hot("coder", "END", "END")[None])
+    assert Prefetch("conservative", ledger).rank([retired, live]) == [live]
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        Prefetch("eager", ledger)
+    with pytest.raises(ValueError, match="simulator only"):
+        make_policy("oracle", ledger)

@@ -1,0 +1,130 @@
+"""The simulator: tree invariants under random operations (hypothesis), end-to-end invariants
+and determinism of whole replays."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from data.generators import Hover, SweBench
+from serving_integration.cost_model import CostModel
+from serving_integration.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.radix import RadixTree, audit
+from serving_integration.simulator import SimConfig, Simulator, simulate, workflows_from_rows
+
+H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
+                 peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
+
+ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "unlock", "evict", "evict_host"]),
+                         st.lists(st.integers(0, 3), min_size=1, max_size=6),
+                         st.integers(1, 30)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, gpu=st.integers(20, 60), host=st.integers(0, 80))
+def test_tree_invariants_under_random_operations(ops, gpu, host):
+    tree = RadixTree(gpu, host)
+    locked = []
+    for op, units, n in ops:
+        lens = [1 + u for u in units]  # units carry different token counts
+        if op == "insert":
+            need = sum(lens)
+            if tree.gpu_free() < need:
+                tree.evict_gpu(need - tree.gpu_free())
+            if tree.gpu_free() >= need:  # the caller holds the tokens privately first
+                tree.private_gpu += need
+                tree.insert(units, lens)
+                tree.private_gpu -= need
+        elif op == "match":
+            path = tree.match(units, lens)
+            host_only = sum(x.num_tokens for x in path if not x.on_gpu)
+            if path and host_only <= tree.gpu_free():
+                tree.lock(path[-1])
+                tree.load_back(path)
+                locked.append(path[-1])
+        elif op == "unlock" and locked:
+            tree.unlock(locked.pop(n % len(locked)))
+        elif op == "evict":
+            before = {x.id for x in tree.nodes() if x.lock_ref}
+            evicted = tree.evict_gpu(n)
+            assert not any(x.id in before for x in evicted), "a locked node was evicted"
+        elif op == "evict_host":
+            tree.evict_host(n)
+        audit(tree)
+        assert all(x.on_gpu and x.lock_ref > 0 for x in locked)
+
+
+class AuditedSimulator(Simulator):
+    """Checks the invariants after every finished call and every admission."""
+
+    def _try_admit(self, r):
+        admitted = super()._try_admit(r)
+        audit(self.tree)
+        if admitted:
+            assert r.gpu_hit + r.host_hit + r.miss == r.call.prompt_tokens
+            assert 0 <= r.gpu_hit and 0 <= r.host_hit and 0 <= r.miss
+        return admitted
+
+    def _finish(self, r):
+        super()._finish(r)
+        audit(self.tree)
+
+
+def small_workload(kind, n, seed):
+    traces = (Hover if kind == "hover" else SweBench)().generate(n, seed)
+    return workflows_from_rows(traces.calls)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["hover", "swebench"]), seed=st.integers(0, 1000),
+       gpu=st.integers(70_000, 200_000), concurrency=st.integers(1, 12),
+       policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "oracle"]),
+       prefetch=st.sampled_from(["none", "conservative", "aggressive"]), page=st.sampled_from([1, 16]))
+def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page):
+    workflows = small_workload(kind, 12, seed)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    if policy == "kvflow":
+        source = StaticGraphSource([[c.agent for c in w.calls] for w in workflows], 3)
+    else:
+        source = PerfectSource(names, 3)
+    uses = policy in ("pbkv", "kvflow") or prefetch != "none"
+    sim = AuditedSimulator(workflows, SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page), H100,
+                           policy=policy, prefetch=prefetch, predictions=source if uses else None)
+    counters = sim.run()
+    assert counters.gpu_hit_tokens + counters.host_hit_tokens + counters.miss_tokens == counters.prompt_tokens
+    assert counters.prompt_tokens == sum(c.prompt_tokens for w in workflows for c in w.calls)
+    assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
+    assert counters.prefetch_used_tokens <= counters.prefetched_tokens
+    assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
+
+
+def test_same_input_same_summary():
+    workflows = small_workload("hover", 40, 1)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    config = SimConfig(gpu_tokens=120_000, concurrency=8)
+    from serving_integration.predictions import NoisySource
+
+    runs = [simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
+                     predictions=NoisySource(PerfectSource(names, 3), 0.3, seed=5)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
+                     predictions=NoisySource(PerfectSource(names, 3), 0.3, seed=6))
+    assert other != runs[0]
+
+
+def test_too_small_gpu_is_a_clear_error():
+    workflows = small_workload("swebench", 3, 0)
+    with pytest.raises(ValueError, match="raise sim.gpu_tokens"):
+        simulate(workflows, SimConfig(gpu_tokens=2_000, concurrency=2), H100, policy="lru")
+
+
+def test_more_memory_helps_lru_and_the_oracle_beats_it():
+    workflows = small_workload("hover", 60, 2)
+    small = simulate(workflows, SimConfig(gpu_tokens=80_000, concurrency=16), H100, policy="lru")
+    large = simulate(workflows, SimConfig(gpu_tokens=1_000_000, concurrency=16), H100, policy="lru")
+    oracle = simulate(workflows, SimConfig(gpu_tokens=80_000, concurrency=16), H100, policy="oracle")
+    assert large["hit_rate"] > small["hit_rate"]
+    assert oracle["hit_rate"] >= small["hit_rate"]
+    assert large["recomputed_tokens"] == 0  # nothing is ever evicted
+    assert math.isclose(large["hit_rate"] + (large["host_hit_tokens"] + large["miss_tokens"]) / large["prompt_tokens"], 1)
