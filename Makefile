@@ -19,10 +19,11 @@ DEMO_DIR := runs/demo
 setup: $(STAMP)
 
 # torch first, then everything under the same constraints file, so no CUDA torch is pulled.
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-sglang.txt constraints.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -r requirements.txt
+	$(PIP) install -c constraints.txt --no-deps -r requirements-sglang.txt
 	$(PIP) install -c constraints.txt --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

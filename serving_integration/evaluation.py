@@ -14,6 +14,9 @@ the same workflows and seed. The policies (`policies=[...]`):
 
 `prefetch=[none,conservative,aggressive]` applies to pbkv and pbkv_perfect; `predictor.noise`
 mixes their predictions with random distributions.
+
+With `kv.budget=N`, IntentKV rows follow: every request pruned to N tokens by `kv.method` in each
+of `kv.layouts`, beside the unpruned baseline (layout none), under `kv.policy`.
 """
 
 from __future__ import annotations
@@ -98,15 +101,25 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     sim_cfg = SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"})
     cost = instantiate(cfg.cost_model)
     summary_rows, predictor_info = [], {}
+    def row(name, mode, replayed, result, noise=0.0, layout="none", kv_method="none", comparison="policies"):
+        return {"comparison": comparison, "workload": cfg.data.name, "policy": name, "prefetch": mode, "gpu_tokens": sim_cfg.gpu_tokens,
+                "concurrency": sim_cfg.concurrency, "noise": noise, "layout": layout, "kv_method": kv_method,
+                "kv_budget": cfg.kv.budget if comparison == "kv" else None, "cost_model": cost.name,
+                "workflows": len(replayed), "calls": sum(len(w.calls) for w in replayed), "seed": cfg.seed, **result}
+
     for name, mode, kwargs in policy_runs(cfg, train_sequences, agent_names):
-        result = simulate(workflows, sim_cfg, cost, **kwargs)
-        row = {"workload": cfg.data.name, "policy": name, "prefetch": mode, "gpu_tokens": sim_cfg.gpu_tokens,
-               "concurrency": sim_cfg.concurrency, "noise": cfg.predictor.noise if name in PREDICTIVE else 0.0,
-               "cost_model": cost.name, "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows),
-               "seed": cfg.seed, **result}
-        summary_rows.append(row)
-        log.info("%s/%s: hit rate %.3f, mean workflow latency %.2f s", name, mode, row["hit_rate"],
-                 row["mean_workflow_latency_s"])
+        summary_rows.append(row(name, mode, workflows, simulate(workflows, sim_cfg, cost, **kwargs),
+                                noise=cfg.predictor.noise if name in PREDICTIVE else 0.0))
+        log.info("%s/%s: hit rate %.3f", name, mode, summary_rows[-1]["hit_rate"])
+    if cfg.kv.budget:
+        from serving_integration.kv_pruning import prune_workflows  # torch scoring, only needed here
+
+        for layout in ("none", *cfg.kv.layouts):
+            replayed = workflows if layout == "none" else prune_workflows(
+                workflows, cfg.kv.method, cfg.kv.budget, layout, cfg.kv.chunk_tokens, cfg.kv.lam)
+            summary_rows.append(row(cfg.kv.policy, "none", replayed, simulate(replayed, sim_cfg, cost, policy=cfg.kv.policy),
+                                    layout=layout, kv_method=cfg.kv.method if layout != "none" else "none",
+                                    comparison="kv"))
     if "pbkv" in cfg.policies:
         predictor_info = {**learned_source(cfg, train_sequences)[1],
                           "test_metrics": checkpoint_metrics(cfg.predictor.checkpoint)}
@@ -143,10 +156,24 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+KV_COLUMNS = (("layout", "{}"), ("kv_method", "{}"), ("kv_budget", "{}"), ("prefix_hit_rate", "{:.1%}"),
+              ("hit_rate", "{:.1%}"), ("kv_tokens_read", "{:.3g}"), ("mean_workflow_latency_s", "{:.2f}"),
+              ("mean_ttft_s", "{:.3f}"))
+
+
 def format_table(rows: list[dict]) -> str:
-    rows = table_rows(rows)
-    head = [name for name, _ in TABLE_COLUMNS]
-    body = [[fmt.format(r[name]) for name, fmt in TABLE_COLUMNS] for r in rows]
+    """The policy comparison, then the KV-pruning rows if any."""
+    policy_rows = [r for r in rows if r["comparison"] == "policies"]
+    kv_rows = [r for r in rows if r["comparison"] == "kv"]
+    parts = [_table(table_rows(policy_rows), TABLE_COLUMNS)] if policy_rows else []
+    if kv_rows:
+        parts.append(_table(kv_rows, KV_COLUMNS))
+    return "\n\n".join(parts)
+
+
+def _table(rows: list[dict], columns) -> str:
+    head = [name for name, _ in columns]
+    body = [[fmt.format(r[name]) for name, fmt in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     first = rows[0]
@@ -156,6 +183,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], run_dir: Path) -> list[Path]:
+    """hit_rate.png and latency.png of the policy comparison."""
+    rows = [r for r in rows if r["comparison"] == "policies"]
+    if not rows:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")

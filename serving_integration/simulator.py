@@ -166,6 +166,7 @@ class Counters:
     host_hit_tokens: int = 0
     miss_tokens: int = 0
     recomputed_tokens: int = 0  # missed tokens whose prefix had been cached before
+    kv_tokens_read: int = 0  # KV rows read by decode steps: prompt tokens x output tokens, per call
     prefetched_tokens: int = 0
     prefetch_used_tokens: int = 0
     predictor_calls: int = 0
@@ -280,10 +281,13 @@ class Simulator:
     def _try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
         path = tree.match(call.units, call.lens)
-        gpu_hit = sum(n.num_tokens for n in path if n.on_gpu)
-        host_hit = sum(n.num_tokens for n in path) - gpu_hit
+        # hits are counted in the request's own token counts (a pruned request may need fewer
+        # tokens of a unit than the cache holds); memory moves in the cache's counts
+        matched = sum(len(n.units) for n in path)
+        on_gpu = sum(len(n.units) for n in path if n.on_gpu)  # GPU nodes come first on a path
+        gpu_hit, host_hit = sum(call.lens[:on_gpu]), sum(call.lens[on_gpu:matched])
         miss = call.prompt_tokens - gpu_hit - host_hit
-        need = host_hit + miss + call.output_tokens
+        need = sum(n.num_tokens for n in path if not n.on_gpu) + miss + call.output_tokens
         if path:
             tree.lock(path[-1])  # before evicting, so the request's own prefix stays
         if tree.gpu_free() < need:
@@ -381,6 +385,7 @@ class Simulator:
         tree.refresh_many(path)
         self.ever_cached.update(keys)
         self.counters.ttfts.append(r.ttft)
+        self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
         del self.running[wf.id]
         wf.next_call += 1
         if wf.next_call < len(wf.calls):
@@ -470,6 +475,8 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
         "throughput_calls_per_s": n_calls / makespan if makespan > 0 else 0.0,
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
+        "prefix_hit_rate": (c.gpu_hit_tokens + c.host_hit_tokens) / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "kv_tokens_read": c.kv_tokens_read,
         "predictor_calls": c.predictor_calls,
     }
 

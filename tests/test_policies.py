@@ -49,7 +49,7 @@ def test_tlru_matches_sglangs_strategy():
     from serving_integration.sglang_compat import install_torchvision_guard
 
     install_torchvision_guard()
-    evict_policy = pytest.importorskip("sglang.srt.mem_cache.evict_policy")
+    import sglang.srt.mem_cache.evict_policy as evict_policy
     ours, theirs = TLRU(threshold=5, next_prompt_estimate=2), evict_policy.TLRUStrategy(5, 2)
     tree, leaves = tree_with(ours, "abcdefgh", "abxy", "q")
     for node in tree.nodes():

@@ -17,7 +17,7 @@ from serving_integration.radix import RadixTree
 from serving_integration.sglang_compat import install_torchvision_guard
 
 install_torchvision_guard()
-radix_cache = pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+import sglang.srt.mem_cache.radix_cache as radix_cache  # noqa: E402  (the real package; CI installs it)
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 
 
