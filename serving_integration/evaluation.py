@@ -49,84 +49,91 @@ def learned_source(cfg: DictConfig, train_sequences: list[list[str]]):
 
     if cfg.predictor.checkpoint:
         predictor = load_predictor(cfg.predictor.checkpoint)
-        return ModelSource(predictor), {"checkpoint": str(cfg.predictor.checkpoint),
-                                        "family": predictor.family}
+        return ModelSource(predictor), {"checkpoint": str(cfg.predictor.checkpoint), "family": predictor.family,
+                                        "test_metrics": checkpoint_metrics(cfg.predictor.checkpoint)}
     names = vocabulary(a for seq in train_sequences for a in seq)
     index = {a: i for i, a in enumerate(names)}
     predictor = MarkovPredictor.from_sequences(names, cfg.pbkv.horizon, [[index[a] for a in s] for s in train_sequences],
                                                order=1)
-    return ModelSource(predictor), {"checkpoint": None, "family": "markov (order 1, fitted on the train split)"}
+    return ModelSource(predictor), {"checkpoint": None, "family": "markov",
+                                    "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
 
 
-def checkpoint_metrics(path: str | None) -> dict:
-    if not path:
-        return {}
+def checkpoint_metrics(path: str) -> dict:
     from models import read_checkpoint
 
     return dict(read_checkpoint(path).get("metrics", {}))
 
 
-def policy_runs(cfg: DictConfig, train_sequences, agent_names):
-    """(row label, simulate() keyword arguments) for each requested policy and prefetch mode."""
+def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
+    """(policy, prefetch mode, what drives its predictions, simulate() keyword arguments) for each
+    requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source."""
     unknown = sorted(set(cfg.policies) - set(POLICIES))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    learned = None
     for name in cfg.policies:
         if name == "kvflow":
-            yield name, "aggressive", dict(policy="kvflow", policy_options=dict(cfg.kvflow), prefetch="aggressive",
-                                           predictions=StaticGraphSource(train_sequences, cfg.pbkv.horizon))
+            yield name, "aggressive", "static_graph", dict(
+                policy="kvflow", policy_options=dict(cfg.kvflow), prefetch="aggressive",
+                predictions=StaticGraphSource(train_sequences, cfg.pbkv.horizon))
         elif name in PREDICTIVE:
-            if name == "pbkv":
-                learned = learned or learned_source(cfg, train_sequences)
-                source = learned[0]
-            else:
-                source = PerfectSource(agent_names, cfg.pbkv.horizon)
+            source, label = ((learned[0], learned[1]["family"]) if name == "pbkv"
+                             else (PerfectSource(agent_names, cfg.pbkv.horizon), "perfect"))
             for mode in cfg.prefetch:
                 noisy = NoisySource(source, cfg.predictor.noise, cfg.seed)
-                yield name, mode, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
+                yield name, mode, label, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
         else:
             options = dict(cfg.tlru) if name == "tlru" else {}
-            yield name, "none", dict(policy=name, policy_options=options)
+            yield name, "none", "none", dict(policy=name, policy_options=options)
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
+    """Run every requested policy (and the KV-pruning rows) on one workload; write summary.json."""
     ds = store.resolve(cfg.data)
-    rows = ds.rows(None if cfg.split == "all" else cfg.split)
-    workflows = workflows_from_rows(rows)[: cfg.sim.n_workflows or None]
+    workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
     if not workflows:
         raise ValueError(f"split '{cfg.split}' of {cfg.data.name} has no workflows")
     train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    sim_cfg = SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"})
-    cost = instantiate(cfg.cost_model)
-    summary_rows, predictor_info = [], {}
-    def row(name, mode, replayed, result, noise=0.0, layout="none", kv_method="none", comparison="policies"):
-        return {"comparison": comparison, "workload": cfg.data.name, "policy": name, "prefetch": mode, "gpu_tokens": sim_cfg.gpu_tokens,
-                "concurrency": sim_cfg.concurrency, "noise": noise, "layout": layout, "kv_method": kv_method,
-                "kv_budget": cfg.kv.budget if comparison == "kv" else None, "cost_model": cost.name,
-                "workflows": len(replayed), "calls": sum(len(w.calls) for w in replayed), "seed": cfg.seed, **result}
-
-    for name, mode, kwargs in policy_runs(cfg, train_sequences, agent_names):
-        summary_rows.append(row(name, mode, workflows, simulate(workflows, sim_cfg, cost, **kwargs),
-                                noise=cfg.predictor.noise if name in PREDICTIVE else 0.0))
-        log.info("%s/%s: hit rate %.3f", name, mode, summary_rows[-1]["hit_rate"])
+    setting = Setting(cfg, SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
+                      instantiate(cfg.cost_model))
+    learned = learned_source(cfg, train_sequences) if "pbkv" in cfg.policies else None
+    rows = []
+    for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
+        noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
+        rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
+        log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
     if cfg.kv.budget:
         from serving_integration.kv_pruning import prune_workflows  # torch scoring, only needed here
 
         for layout in ("none", *cfg.kv.layouts):
             replayed = workflows if layout == "none" else prune_workflows(
                 workflows, cfg.kv.method, cfg.kv.budget, layout, cfg.kv.chunk_tokens, cfg.kv.lam)
-            summary_rows.append(row(cfg.kv.policy, "none", replayed, simulate(replayed, sim_cfg, cost, policy=cfg.kv.policy),
-                                    layout=layout, kv_method=cfg.kv.method if layout != "none" else "none",
-                                    comparison="kv"))
-    if "pbkv" in cfg.policies:
-        predictor_info = {**learned_source(cfg, train_sequences)[1],
-                          "test_metrics": checkpoint_metrics(cfg.predictor.checkpoint)}
-    summary = {"rows": summary_rows, "predictor": predictor_info,
+            rows.append(setting.run(replayed, cfg.kv.policy, "none", {"policy": cfg.kv.policy}, comparison="kv",
+                                    layout=layout, kv_method="none" if layout == "none" else cfg.kv.method,
+                                    kv_budget=None if layout == "none" else cfg.kv.budget))
+    summary = {"rows": rows, "predictor": learned[1] if learned else {},
                "config": OmegaConf.to_container(cfg, resolve=True)}
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+class Setting:
+    """One workload setting (config, simulator sizes, cost model): runs a policy, returns its row."""
+
+    def __init__(self, cfg: DictConfig, sim: SimConfig, cost):
+        self.cfg, self.sim, self.cost = cfg, sim, cost
+
+    def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
+        result = simulate(workflows, self.sim, self.cost, **kwargs)
+        row = {"comparison": "policies", "workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
+               "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency, "noise": 0.0,
+               "predictor": "none", "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma,
+               "layout": "none", "kv_method": "none", "kv_budget": None, "cost_model": self.cost.name,
+               "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed}
+        row.update(fields)
+        row.update(result)
+        return row
 
 
 def write_json_atomic(path: Path, obj) -> None:

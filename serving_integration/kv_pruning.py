@@ -96,26 +96,24 @@ class WorkflowPruner:
         return keep.tolist()
 
     def scores(self, keys: torch.Tensor, span_queries: torch.Tensor) -> torch.Tensor:
-        if self.method == "intent":
-            return intentkv.rule_scores(self.memory, keys)
-        if self.method == "streaming_llm":
-            return intentkv.streaming_llm_scores(keys.shape[2])
-        if self.method == "h2o":
-            attention = torch.softmax(span_queries @ keys.transpose(-1, -2) / PSEUDO_DIM ** 0.5, dim=-1)
-            return intentkv.h2o_scores(attention)
-        return intentkv.snapkv_scores(span_queries, keys)
+        # the latest span is the prompt's last segment, so its queries sit at the last positions
+        return intentkv.scores_for(self.method, keys, memory=self.memory, span_queries=span_queries,
+                                   queries=span_queries)
 
 
 def keep_within_tokens(scores: torch.Tensor, sizes: torch.Tensor, budget: int, protected: torch.Tensor) -> torch.Tensor:
-    """select_keep on chunks of different sizes: the budget is in tokens, so it is turned into a
-    chunk count by keeping chunks in score order until their tokens fill it."""
+    """select_keep with a budget in tokens over chunks of different sizes: the largest chunk count
+    whose selection fits (selections grow with the count, so a binary search finds it)."""
     if sizes.sum() <= budget:
         return torch.ones_like(protected)
-    room = budget - sizes[protected].sum()
-    order = torch.argsort(scores.masked_fill(protected, float("-inf")), descending=True, stable=True)
-    taken = torch.cumsum(sizes[order], 0) <= room
-    n_keep = int(protected.sum()) + int(taken.sum())
-    return intentkv.select_keep(scores, n_keep, protected)
+    lo, hi = int(protected.sum()), len(scores)  # lo always fits: protected chunks are kept anyway
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sizes[intentkv.select_keep(scores, mid, protected)].sum() <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return intentkv.select_keep(scores, lo, protected)
 
 
 def prune_workflows(workflows: list[SimWorkflow], method: str, budget: int, layout: str,

@@ -61,3 +61,15 @@ def test_unknown_policy_is_a_clear_error(tmp_path, cache):
                            "data.source.n_workflows=20", "policies=[lru,arc]", "wandb.enabled=false"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr
+
+
+def test_kv_pruning_rows(tmp_path, cache):
+    summary, stdout = evaluate(tmp_path / "kv", "wandb.enabled=false", "policies=[lru]", "kv.budget=3000",
+                               "kv.method=intent", "kv.layouts=[compaction,sentinel]", cache=cache)
+    kv = {r["layout"]: r for r in summary["rows"] if r["comparison"] == "kv"}
+    assert set(kv) == {"none", "compaction", "sentinel"}
+    assert kv["none"]["kv_budget"] is None and kv["sentinel"]["kv_budget"] == 3000
+    # pruning reads less KV; the sentinel layout keeps the prefix cache matching, compaction does not
+    assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
+    assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
+    assert "prefix_hit_rate" in stdout

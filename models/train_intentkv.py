@@ -1,0 +1,192 @@
+"""Train the IntentKV residual head on generated text sessions (design.md section 8, issue 6 part 5).
+
+    python -m models.train_intentkv steps=200 out=runs/intentkv
+    python -m models.train_intentkv steps=50 n_train=20 n_test=10 out=/tmp/ikv     # smoke run
+
+Key=value arguments (Hydra style, read with OmegaConf.from_cli onto :class:`TrainConfig`).
+Sessions come from :mod:`models.intentkv_data` (train: sessions ``0 .. n_train-1`` of ``seed``,
+held out: the next ``n_test``); K/Q from a small randomly initialised Llama. The loss is a listwise
+softmax cross-entropy of ``rule + residual`` over each decision point's unprotected tokens, with
+the positives as a uniform target. On the held-out decision points it prints, for the rule score,
+rule + residual and the three baselines: macro label AUROC (sklearn ``roc_auc_score``, per decision
+point, over unprotected tokens) and top-budget recall (``select_keep`` with budget = protected +
+``budget_frac`` of the unprotected tokens; positives kept / positives). Writes
+``out/residual_head.pt`` (load with :func:`load_residual_head`) and ``out/metrics.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from sklearn.metrics import roc_auc_score
+
+from models.intentkv import ResidualHead, causal_attention, h2o_scores, select_keep, snapkv_scores, \
+    streaming_llm_scores
+from models.intentkv_data import Example, build_examples, generate_session, tiny_llama, tokenize_session, \
+    wordpiece_tokenizer
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    out: str = "runs/intentkv"
+    seed: int = 0
+    n_train: int = 120              # sessions
+    n_test: int = 40
+    horizon: int = 5                # label: word in the arguments of the next `horizon` tool calls
+    lam: float = 0.5
+    batch: int = 8                  # decision points per step
+    lr: float = 3e-3
+    weight_decay: float = 1e-4
+    d_model: int = 32               # residual head widths
+    hidden: int = 64
+    budget_frac: float = 0.25       # evaluation budget: protected + this share of the other tokens
+    model_hidden: int = 64          # the random transformer
+    model_layers: int = 2
+    model_heads: int = 4
+    threads: int = 1
+    baselines: bool = True
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_cli(argv))
+    return TrainConfig(**OmegaConf.to_container(cfg))
+
+
+def make_examples(cfg: TrainConfig, model, tokenizer, first: int, n: int) -> list[Example]:
+    sessions = [tokenize_session(generate_session(cfg.seed, i), tokenizer, cfg.horizon)
+                for i in range(first, first + n)]
+    return [ex for ex in build_examples(sessions, model, cfg.lam) if (~ex.protected).any()]
+
+
+def listwise_loss(scores: torch.Tensor, labels: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:
+    """``-mean_{j in pos} log softmax_{candidates}(scores)_j``; None without a positive candidate."""
+    pos = labels & candidates
+    if not pos.any():
+        return None
+    s = scores[candidates]
+    return torch.logsumexp(s, dim=0) - scores[pos].mean()
+
+
+def residual_scores(head: ResidualHead, ex: Example) -> torch.Tensor:
+    return ex.rule + head(ex.keys, ex.span_keys, ex.rule, ex.memory)
+
+
+def method_scores(ex: Example, head: ResidualHead | None, baselines: bool) -> dict[str, torch.Tensor]:
+    out = {"intent_rule": ex.rule}
+    if head is not None:
+        with torch.no_grad():
+            out["intent_rule+residual"] = residual_scores(head, ex)
+    if baselines:
+        out["streaming_llm"] = streaming_llm_scores(ex.keys.shape[2], sink=4)
+        out["h2o"] = h2o_scores(causal_attention(ex.queries, ex.keys))
+        out["snapkv"] = snapkv_scores(ex.span_queries, ex.keys)
+    return out
+
+
+def evaluate(examples: list[Example], head: ResidualHead | None, budget_frac: float,
+             baselines: bool = True) -> dict[str, dict[str, float]]:
+    """Macro AUROC over decision points and micro top-budget recall, per method."""
+    aurocs: dict[str, list[float]] = {}
+    kept: dict[str, int] = {}
+    n_pos = 0
+    for ex in examples:
+        cand = ~ex.protected
+        y = ex.labels[cand].numpy()
+        n_pos += int(y.sum())
+        budget = int(ex.protected.sum()) + round(budget_frac * int(cand.sum()))
+        for name, s in method_scores(ex, head, baselines).items():
+            if 0 < y.sum() < len(y):
+                aurocs.setdefault(name, []).append(roc_auc_score(y, s[cand].numpy()))
+            keep = select_keep(s, budget, ex.protected)
+            kept[name] = kept.get(name, 0) + int((keep & ex.labels & cand).sum())
+    return {name: {"auroc": float(np.mean(aurocs[name])), "recall_at_budget": kept[name] / max(n_pos, 1),
+                   "n_decisions_auroc": len(aurocs[name])} for name in aurocs}
+
+
+def train_head(cfg: TrainConfig, examples: list[Example], dims: tuple[int, int, int]) -> tuple[ResidualHead, list]:
+    head = ResidualHead(*dims, d_model=cfg.d_model, hidden=cfg.hidden)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    usable = [ex for ex in examples if (ex.labels & ~ex.protected).any()]
+    rng = np.random.default_rng(cfg.seed)
+    log = []
+    for step in range(1, cfg.steps + 1):
+        losses = [listwise_loss(residual_scores(head, usable[i]), usable[i].labels, ~usable[i].protected)
+                  for i in rng.choice(len(usable), size=min(cfg.batch, len(usable)), replace=False)]
+        loss = torch.stack([x for x in losses if x is not None]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.append(loss.item())
+        if step % 50 == 0 or step == cfg.steps:
+            print(f"step {step:4d}  loss {np.mean(log[-50:]):.4f}", flush=True)
+    return head, log
+
+
+def save_residual_head(head: ResidualHead, path: Path, extra: dict) -> None:
+    torch.save({"config": head.config(), "state_dict": head.state_dict(), **extra}, path)
+
+
+def load_residual_head(path: str | Path) -> ResidualHead:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    head = ResidualHead(**blob["config"])
+    head.load_state_dict(blob["state_dict"])
+    return head.eval()
+
+
+def format_table(metrics: dict[str, dict[str, float]], budget_frac: float) -> str:
+    lines = [f"{'method':<22} {'AUROC':>7} {'recall@' + format(budget_frac, '.0%'):>12}"]
+    for name, m in metrics.items():
+        lines.append(f"{name:<22} {m['auroc']:7.3f} {m['recall_at_budget']:12.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(cfg: TrainConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    tokenizer = wordpiece_tokenizer()
+    model = tiny_llama(tokenizer.get_vocab_size(), seed=cfg.seed, hidden_size=cfg.model_hidden,
+                       n_layers=cfg.model_layers, n_heads=cfg.model_heads, attn_implementation="sdpa")
+    train = make_examples(cfg, model, tokenizer, 0, cfg.n_train)
+    test = make_examples(cfg, model, tokenizer, cfg.n_train, cfg.n_test)
+    pos_rate = float(np.mean([(ex.labels & ~ex.protected).sum() / (~ex.protected).sum() for ex in test]))
+    print(f"{len(train)} train / {len(test)} held-out decision points, mean context "
+          f"{np.mean([ex.keys.shape[2] for ex in test]):.0f} tokens, positive rate {pos_rate:.3f} "
+          f"({time.time() - t0:.1f}s)", flush=True)
+    L, H, _, D = train[0].keys.shape
+    head, log = train_head(cfg, train, (L, H, D))
+    head.eval()
+    metrics = evaluate(test, head, cfg.budget_frac, cfg.baselines)
+    print(format_table(metrics, cfg.budget_frac))
+    print(f"random: AUROC 0.500, recall@budget ~{cfg.budget_frac:.3f}; total {time.time() - t0:.1f}s")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"config": asdict(cfg), "n_train_decisions": len(train), "n_test_decisions": len(test),
+              "positive_rate": pos_rate, "final_loss": float(np.mean(log[-20:])) if log else math.nan,
+              "metrics": metrics, "seconds": time.time() - t0}
+    save_residual_head(head, out / "residual_head.pt", {"lam": cfg.lam, "metrics": metrics})
+    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / 'residual_head.pt'} and {out / 'metrics.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""python -m serving_integration.report RUN_DIR... --out DIR
+
+Builds report.md and report.html with PNG plots from the summary.json files of evaluate.py runs
+(a run directory, a multirun directory, or summary.json files): the paper's claims beside ours,
+one table per setting with ratios against LRU and KVFlow, and plots of every sweep the runs
+contain (GPU memory, concurrency, prediction noise with a linear fit of the regret, horizon K,
+gamma, predictor backbone, KV-pruning layout). Every number in it is computed from the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+DYNAMIC = ("hover", "swebench", "who_and_when")
+STATIC = ("financebench",)
+SETTING = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+
+# design.md section 5 (PBKV, arXiv 2605.06472): shape to compare against, not absolute values
+PAPER = {
+    "hit_vs_lru": "up to 2.55x (dynamic workloads)",
+    "latency_vs_lru": "up to 1.85x (dynamic workloads)",
+    "lae_hit_vs_lru": "up to 1.66x",
+    "static_hit_vs_kvflow": "1.39x (FinanceBench)",
+    "static_latency_vs_kvflow": "1.26x (FinanceBench)",
+    "qwen3_32b_point": "LRU 27.09%, lifecycle-only 44.91%, PBKV 69.10% GPU hit rate",
+    "noise": "at 20% noise conservative prefetch beats aggressive; at >= 30% aggressive is worse than none",
+}
+
+
+def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
+    files = []
+    for p in map(Path, paths):
+        found = [p] if p.is_file() else sorted(p.rglob("summary.json"))
+        if not found:
+            raise FileNotFoundError(f"{p}: no summary.json there (run evaluate.py first)")
+        files.extend(found)
+    rows, seen = [], set()
+    for f in files:
+        for row in json.loads(f.read_text())["rows"]:
+            # a sweep over predictor settings repeats the rows that do not depend on them
+            key = json.dumps(row, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                rows.append({**row, "source": str(f)})
+    return rows, files
+
+
+def label(r: dict) -> str:
+    name = r["policy"]
+    if r["policy"] in ("pbkv", "pbkv_perfect") and r["prefetch"] != "none":
+        name += f"+{r['prefetch']}"
+    if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
+        name += f" ({r['predictor']})"
+    return name
+
+
+def setting_of(r: dict) -> tuple:
+    return tuple(r.get(k) for k in SETTING)
+
+
+def setting_title(key: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in zip(SETTING, key))
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def is_main(r: dict) -> bool:
+    """A plain row of the policy comparison: no noise, no pruning."""
+    return r["comparison"] == "policies" and not r.get("noise")
+
+
+# -------------------------------------------------------------------- tables
+
+def fmt(x, spec="{:.2f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+
+def md_table(head: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def setting_tables(rows: list[dict]) -> str:
+    groups = defaultdict(list)
+    for r in rows:
+        if is_main(r):
+            groups[setting_of(r)].append(r)
+    parts = []
+    for key, group in groups.items():
+        lru = next((r for r in group if r["policy"] == "lru"), None)
+        kvflow = next((r for r in group if r["policy"] == "kvflow"), None)
+        body = []
+        for r in group:
+            body.append([label(r), fmt(r["hit_rate"], "{:.1%}"),
+                         fmt(ratio(r["hit_rate"], lru["hit_rate"]) if lru else None),
+                         fmt(ratio(r["hit_rate"], kvflow["hit_rate"]) if kvflow else None),
+                         fmt(r["mean_workflow_latency_s"]),
+                         fmt(ratio(lru["mean_workflow_latency_s"], r["mean_workflow_latency_s"]) if lru else None),
+                         fmt(ratio(kvflow["mean_workflow_latency_s"], r["mean_workflow_latency_s"]) if kvflow else None),
+                         fmt(r["p99_workflow_latency_s"]), fmt(r["mean_ttft_s"], "{:.3f}"),
+                         fmt(r["prefetch_precision"], "{:.0%}")])
+        head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "mean latency (s)", "speed-up vs LRU",
+                "speed-up vs KVFlow", "p99 latency (s)", "mean TTFT (s)", "prefetch precision"]
+        parts.append(f"### {setting_title(key)}\n\n{group[0]['workflows']} workflows, {group[0]['calls']} calls "
+                     f"({Path(group[0]['source']).parent})\n\n" + md_table(head, body))
+    return "\n\n".join(parts)
+
+
+def best(rows, policy, base_policy, workloads, field, higher=True):
+    """The largest ratio of `policy` over `base_policy` on the same setting, and where."""
+    found = None
+    by_setting = defaultdict(dict)
+    for r in rows:
+        if is_main(r) and r["workload"].split("-")[0] in workloads and r["prefetch"] in ("none", "aggressive"):
+            by_setting[setting_of(r)].setdefault(r["policy"], r)
+    for key, policies in by_setting.items():
+        if policy in policies and base_policy in policies:
+            a, b = policies[policy][field], policies[base_policy][field]
+            value = ratio(a, b) if higher else ratio(b, a)
+            if found is None or value > found[0]:
+                found = (value, key)
+    return f"{found[0]:.2f}x ({setting_title(found[1])})" if found else "not in these runs"
+
+
+def hit_rates_point(rows) -> str:
+    """LRU / lifecycle-only / PBKV hit rates of each setting that has all three."""
+    out = []
+    by_setting = defaultdict(dict)
+    for r in rows:
+        if is_main(r) and r["prefetch"] == "none":
+            by_setting[setting_of(r)].setdefault(r["policy"], r["hit_rate"])
+    for key, hits in by_setting.items():
+        if {"lru", "pbkv_lae", "pbkv"} <= set(hits):
+            out.append(f"{key[0]}, gpu_tokens={key[2]}, C={key[3]}: LRU {hits['lru']:.1%}, lifecycle-only "
+                       f"{hits['pbkv_lae']:.1%}, PBKV {hits['pbkv']:.1%}")
+    return "; ".join(out) or "not in these runs"
+
+
+def noise_claim(rows) -> str:
+    out = []
+    for eps in sorted({r["noise"] for r in rows if r["policy"] == "pbkv" and r["noise"]}):
+        modes = {r["prefetch"]: r for r in rows if r["policy"] == "pbkv" and r["noise"] == eps}
+        if {"none", "conservative", "aggressive"} <= set(modes):
+            lat = {m: modes[m]["mean_workflow_latency_s"] for m in modes}
+            out.append(f"eps={eps:g}: mean latency none {lat['none']:.2f} s, conservative "
+                       f"{lat['conservative']:.2f} s, aggressive {lat['aggressive']:.2f} s")
+    return "; ".join(out) or "not in these runs"
+
+
+def claims_table(rows) -> str:
+    ours = {
+        "hit_vs_lru": best(rows, "pbkv", "lru", DYNAMIC, "hit_rate"),
+        "latency_vs_lru": best(rows, "pbkv", "lru", DYNAMIC, "mean_workflow_latency_s", higher=False),
+        "lae_hit_vs_lru": best(rows, "pbkv_lae", "lru", DYNAMIC, "hit_rate"),
+        "static_hit_vs_kvflow": best(rows, "pbkv", "kvflow", STATIC, "hit_rate"),
+        "static_latency_vs_kvflow": best(rows, "pbkv", "kvflow", STATIC, "mean_workflow_latency_s", higher=False),
+        "qwen3_32b_point": hit_rates_point(rows),
+        "noise": noise_claim(rows),
+    }
+    names = {"hit_vs_lru": "PBKV GPU hit rate vs LRU", "latency_vs_lru": "PBKV latency vs LRU",
+             "lae_hit_vs_lru": "lifecycle-only (pbkv_lae) hit rate vs LRU",
+             "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow",
+             "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow",
+             "qwen3_32b_point": "LRU / lifecycle-only / PBKV hit rates", "noise": "prediction noise and prefetch"}
+    return md_table(["claim", "paper", "ours (largest over the runs, and where)"],
+                    [[names[k], PAPER[k], ours[k]] for k in PAPER])
+
+
+def regret_fit(rows) -> tuple[str, list]:
+    """Regret(eps) = hit rate at eps=0 minus hit rate at eps, per (setting, policy, prefetch); linear fit."""
+    series = defaultdict(dict)
+    for r in rows:
+        if r["policy"] in ("pbkv", "pbkv_perfect") and r["comparison"] == "policies":
+            series[(setting_of(r), label(r))][r["noise"]] = r
+    body, fits = [], []
+    for (key, name), by_eps in series.items():
+        if 0.0 not in by_eps or len(by_eps) < 3:
+            continue
+        eps = np.array(sorted(by_eps))
+        regret = np.array([by_eps[0.0]["hit_rate"] - by_eps[e]["hit_rate"] for e in eps])
+        slope, intercept = np.polyfit(eps, regret, 1)
+        fitted = slope * eps + intercept
+        ss = float(((regret - regret.mean()) ** 2).sum())
+        r2 = 1 - float(((regret - fitted) ** 2).sum()) / ss if ss else 1.0
+        lae = [r for r in rows if is_main(r) and setting_of(r) == key and r["policy"] == "pbkv_lae"]
+        floor = min(by_eps[e]["hit_rate"] for e in eps) - lae[0]["hit_rate"] if lae else None
+        body.append([setting_title(key), name, ", ".join(f"{e:g}" for e in eps), f"{slope:.3f}", f"{intercept:.3f}",
+                     f"{r2:.2f}", fmt(floor, "{:+.1%}")])
+        fits.append((key, name, eps, regret, slope, intercept))
+    head = ["setting", "policy", "noise levels", "regret slope", "intercept", "R^2",
+            "lowest hit rate minus pbkv_lae's"]
+    return (md_table(head, body) if body else "No noise sweep in these runs."), fits
+
+
+# -------------------------------------------------------------------- plots
+
+def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def line_plot(name, title, xlabel, series, ylabel):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        colors = plt.cm.tab20.colors
+        for i, (lab, points) in enumerate(sorted(series.items())):
+            xs, ys = zip(*sorted(points, key=lambda p: p[0]))
+            ax.plot(xs, ys, marker="os^v"[i // 5 % 4], color=colors[i % 20], label=lab)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append((name, title))
+
+    for axis, xlabel in (("gpu_tokens", "GPU KV capacity (tokens)"), ("concurrency", "live workflows"),
+                         ("horizon", "horizon K"), ("gamma", "gamma")):
+        others = [k for k in SETTING if k != axis]
+        groups = defaultdict(lambda: defaultdict(list))
+        for r in rows:
+            if is_main(r):
+                groups[tuple(r[k] for k in others)][label(r)].append((r[axis], r))
+        for key, series in groups.items():
+            if len({x for pts in series.values() for x, _ in pts}) < 2:
+                continue
+            series = {k: v for k, v in series.items() if len(v) > 1}
+            workload = key[0]
+            for field, ylabel, tag in (("hit_rate", "GPU hit rate", "hit"),
+                                       ("mean_workflow_latency_s", "mean workflow latency (s)", "latency")):
+                line_plot(f"{workload}_{axis}_{tag}_{len(made)}.png", f"{workload}: {ylabel} vs {axis}", xlabel,
+                          {lab: [(x, r[field]) for x, r in pts] for lab, pts in series.items()}, ylabel)
+    return made
+
+
+def noise_plot(fits, out: Path) -> list[tuple[str, str]]:
+    if not fits:
+        return []
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, name, eps, regret, slope, intercept in fits:
+        line = ax.plot(eps, regret, marker="o", label=f"{key[0]} {name}")[0]
+        ax.plot(eps, slope * eps + intercept, linestyle="--", color=line.get_color())
+    ax.set_xlabel("prediction noise eps")
+    ax.set_ylabel("hit-rate regret vs eps = 0")
+    ax.set_title("Regret against prediction noise (dashed: linear fit)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "noise_regret.png", dpi=110)
+    plt.close(fig)
+    return [("noise_regret.png", "Regret against prediction noise")]
+
+
+def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
+    import matplotlib.pyplot as plt
+
+    made = []
+    backbone = [r for r in rows if is_main(r) and r["policy"] in ("pbkv", "pbkv_perfect") and r["prefetch"] == "none"]
+    families = {}
+    for r in backbone:
+        families.setdefault((r["workload"], r["predictor"]), r["hit_rate"])
+    if len({p for _, p in families}) > 2:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = [f"{w}\n{p}" for w, p in families]
+        ax.bar(names, list(families.values()))
+        ax.set_ylabel("GPU hit rate (pbkv)")
+        ax.set_title("PBKV by predictor backbone")
+        fig.tight_layout()
+        fig.savefig(out / "backbones.png", dpi=110)
+        plt.close(fig)
+        made.append(("backbones.png", "PBKV by predictor backbone"))
+    kv = [r for r in rows if r["comparison"] == "kv"]
+    if kv:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar([f"{r['workload']}\n{r['layout']} {r['kv_budget']}" for r in kv], [r["prefix_hit_rate"] for r in kv])
+        ax.set_ylabel("prefix hit rate")
+        ax.set_title("KV pruning: prefix-cache hits by layout")
+        fig.tight_layout()
+        fig.savefig(out / "kv_layouts.png", dpi=110)
+        plt.close(fig)
+        made.append(("kv_layouts.png", "KV pruning: prefix-cache hits by layout"))
+    return made
+
+
+def kv_table(rows) -> str:
+    kv = [r for r in rows if r["comparison"] == "kv"]
+    if not kv:
+        return "No KV-pruning rows in these runs."
+    body = [[r["workload"], r["layout"], r["kv_method"], str(r["kv_budget"]), fmt(r["prefix_hit_rate"], "{:.1%}"),
+             fmt(r["hit_rate"], "{:.1%}"), f"{r['kv_tokens_read']:.3g}", fmt(r["mean_workflow_latency_s"])] for r in kv]
+    return md_table(["workload", "layout", "method", "budget", "prefix hit rate", "GPU hit rate", "KV tokens read",
+                     "mean latency (s)"], body)
+
+
+# -------------------------------------------------------------------- main
+
+def build(paths: list[str], out: Path) -> Path:
+    rows, files = load_rows(paths)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        regret_md, fits = regret_fit(rows)
+        plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
+        md = "\n\n".join([
+            "# PBKV report",
+            f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + "\n".join(f"- `{f}`" for f in files),
+            "## The paper's claims beside ours", claims_table(rows),
+            "## Prediction noise: regret and its linear fit", regret_md,
+            "## KV pruning (IntentKV)", kv_table(rows),
+            "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
+            "## Results by setting", setting_tables(rows),
+        ]) + "\n"
+        (tmp / "report.md").write_text(md)
+        import markdown
+
+        html = markdown.markdown(md, extensions=["tables"])
+        (tmp / "report.html").write_text(
+            "<!doctype html><meta charset='utf-8'><title>PBKV report</title><style>body{font-family:sans-serif;"
+            "max-width:1100px;margin:auto}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;"
+            "padding:3px 6px}img{max-width:100%}</style>\n" + html)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "report.md"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run directories, multirun directories or summary.json files")
+    parser.add_argument("--out", required=True, type=Path, help="report directory (replaced)")
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.runs, args.out)
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"report: {path} and {path.with_suffix('.html')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
