@@ -27,14 +27,22 @@ $(STAMP): requirements.txt requirements-sglang.txt constraints.txt pyproject.tom
 	$(PIP) install -c constraints.txt --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# The main job on the embedded default data: generate workloads, import the real traces, train the
+# GraphSAGE predictor, replay the test workflows under every policy, build the report.
 demo: setup
-	@echo "== 1/2 generate the three workloads (1,000 workflows each) into $(DEMO_DIR)/data"
+	@echo "== 1/5 generate the three workloads (1,000 workflows each) into $(DEMO_DIR)/data"
 	@for w in hover swebench financebench; do \
 	  $(PY) -m data.generate workload=$$w n_workflows=1000 seed=0 out=$(DEMO_DIR)/data/$$w overwrite=true || exit 1; \
 	done
-	@echo "== 2/2 import the real Who&When traces from ../shared/traces/who_and_when"
+	@echo "== 2/5 import the real Who&When traces from ../shared/traces/who_and_when"
 	@$(PY) -m data.import_traces format=who_and_when src=../shared/traces/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
-	@echo "demo done: datasets in $(DEMO_DIR)/data (predictor training and policy evaluation are not built yet)"
+	@echo "== 3/5 train the GraphSAGE predictor on hover"
+	@$(PY) train.py model=graphsage data.path=$(DEMO_DIR)/data/hover logger=csv hydra.run.dir=$(DEMO_DIR)/train/graphsage
+	@echo "== 4/5 replay the hover test workflows under every policy (simulated Qwen3-14B on one H100)"
+	@$(PY) evaluate.py data.path=$(DEMO_DIR)/data/hover predictor.checkpoint=$(DEMO_DIR)/train/graphsage/predictor.pt \
+	  "prefetch=[none,conservative]" hydra.run.dir=$(DEMO_DIR)/evaluate
+	@echo "== 5/5 build the report"
+	@$(PY) -m serving_integration.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
 
 test: setup
 	$(PY) -m pytest

@@ -1,0 +1,466 @@
+"""Replay a trace dataset against a live SGLang server and measure what its cache policy does.
+
+    python -m serving_integration.bench --url http://127.0.0.1:30000 --data DIR --concurrency 8 \\
+        --out runs/bench/hover [--append] [--save-trace runs/bench/hover/collected]
+
+Closed loop, as in the simulator: C workflows are live; each sends its next call when the previous
+one has finished plus that call's tool time (scaled by --tool-time-scale); a new workflow starts
+when one ends. Every call is a streamed `/generate` request with `input_ids` and
+`max_new_tokens = output_tokens` (`ignore_eos`), carrying its workflow id, agent, step and, on the
+workflow's last call, the end signal (workflow_tags.py; `sampling_params.custom_params` by default,
+`kv_hints` with --metadata kv_hints).
+
+Token ids: a segment's ids are drawn deterministically from its segment id (prefix-stable), so
+prompts that share a segment prefix share a token prefix and hit the same radix-tree nodes. A
+call's output segment is replaced, in the later prompts that contain it, by the tokens the server
+actually generated, as an agent framework would append the real answer.
+
+Per call it records TTFT (first streamed chunk), end-to-end latency, and the cached tokens the
+server reports (`meta_info.cached_tokens`, split device / host by `cached_tokens_details`). It
+writes summary.json with one row in evaluate.py's schema (hit_rate is the GPU hit share of prompt
+tokens; host hits are counted apart), calls.jsonl with every call, and with --save-trace the
+replayed calls as a trace dataset (native trace format, imported with data.import_traces): the way
+to collect traces from a live server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from serving_integration.workflow_tags import WorkflowTag, custom_params_for, kv_hints_for
+
+CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
+
+
+# -------------------------------------------------------------------- what is replayed
+
+
+@dataclass(frozen=True)
+class ReplayCall:
+    workflow_id: str
+    step: int
+    agent: str
+    task: str
+    workload: str
+    prompt: tuple  # ((segment id, tokens), ...)
+    output_id: str
+    output_tokens: int
+    tool_time: float
+    first: bool
+    last: bool
+
+
+def replay_workflows(rows: list[dict]) -> list[list[ReplayCall]]:
+    """Dataset call rows (grouped by workflow in step order) to the calls of each workflow."""
+    workflows: dict[str, list[dict]] = {}
+    for row in rows:
+        workflows.setdefault(row["workflow_id"], []).append(row)
+    out = []
+    for wid, calls in workflows.items():
+        out.append([ReplayCall(
+            workflow_id=wid, step=int(r["step"]), agent=r["agent"], task=r.get("task") or "",
+            workload=r.get("workload") or "", prompt=tuple(zip(r["prompt_ids"], r["prompt_segment_tokens"])),
+            output_id=r.get("output_id") or f"{wid}/output/{r['step']}", output_tokens=int(r["output_tokens"]),
+            tool_time=float(r.get("tool_time") or 0.0) if i else 0.0, first=i == 0, last=i == len(calls) - 1)
+            for i, r in enumerate(calls)])
+    return out
+
+
+class SegmentTokens:
+    """Token ids of prompt segments: drawn from the segment id, or the server's real output."""
+
+    def __init__(self, low: int = 1000, high: int = 30000):
+        if not 0 <= low < high:
+            raise ValueError(f"token range must satisfy 0 <= low < high; got {low}, {high}")
+        self.low, self.high = low, high
+        self.drawn: dict[str, np.ndarray] = {}
+        self.generated: dict[str, list[int]] = {}  # output segment id -> the server's tokens
+
+    def tokens(self, segment_id: str, n: int) -> list[int]:
+        if segment_id in self.generated:
+            return self.generated[segment_id]
+        drawn = self.drawn.get(segment_id)
+        if drawn is None or len(drawn) < n:
+            drawn = self.drawn[segment_id] = self._draw(segment_id, n)
+        return drawn[:n].tolist()
+
+    def _draw(self, segment_id: str, n: int) -> np.ndarray:
+        seed = int.from_bytes(hashlib.blake2b(segment_id.encode(), digest_size=8).digest(), "little")
+        chunks = [np.random.default_rng([seed, j]).integers(self.low, self.high, CHUNK)
+                  for j in range(max(1, math.ceil(n / CHUNK)))]
+        return np.concatenate(chunks)
+
+    def prompt(self, call: ReplayCall) -> tuple[list[int], list[tuple[str, int]]]:
+        """The call's input ids, and its segments with the token counts actually sent."""
+        ids, sent = [], []
+        for segment_id, n in call.prompt:
+            tokens = self.tokens(segment_id, n)
+            ids.extend(tokens)
+            sent.append((segment_id, len(tokens)))
+        return ids, sent
+
+
+@dataclass
+class CallResult:
+    workflow_id: str
+    step: int
+    agent: str
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    device_tokens: int = 0
+    host_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = math.nan
+    latency_s: float = math.nan
+    server_e2e_s: float = math.nan
+    start_s: float = 0.0
+    end_s: float = 0.0
+    segments: list = field(default_factory=list)  # [(segment id, tokens sent)]
+    output_ids: list = field(default_factory=list)
+    output_text: str = ""  # the server's detokenized output (empty with --skip-tokenizer-init)
+
+
+# -------------------------------------------------------------------- the client
+
+
+def request_body(call: ReplayCall, input_ids: list[int], metadata: str, stream: bool, rid: str) -> dict:
+    sampling = {"max_new_tokens": max(call.output_tokens, 1), "ignore_eos": True, "temperature": 0.0}
+    # the task text (the predictor's text signal) travels once, on the workflow's first call
+    tag = WorkflowTag(call.workflow_id, call.agent, call.step, call.last, call.task if call.first else "")
+    body: dict = {"input_ids": input_ids, "sampling_params": sampling, "stream": stream, "rid": rid}
+    if metadata == "custom_params":
+        sampling["custom_params"] = custom_params_for(tag)
+    elif metadata == "kv_hints":
+        body["kv_hints"] = kv_hints_for(tag, rid)
+    return body
+
+
+def read_meta(result: CallResult, meta: dict) -> None:
+    result.prompt_tokens = int(meta.get("prompt_tokens") or 0)
+    result.cached_tokens = int(meta.get("cached_tokens") or 0)
+    result.completion_tokens = int(meta.get("completion_tokens") or 0)
+    details = meta.get("cached_tokens_details") or {}
+    # without a breakdown (no HiCache, older servers) every cached token was on the GPU
+    result.device_tokens = int(details.get("device", result.cached_tokens))
+    result.host_tokens = int(details.get("host", 0))
+    if meta.get("e2e_latency") is not None:
+        result.server_e2e_s = float(meta["e2e_latency"])
+
+
+def take_output(result: CallResult, chunk: dict) -> None:
+    """Output of a chunk: a cumulative snapshot (SGLang's default) or a delta (incremental)."""
+    ids = list(chunk.get("output_ids") or [])
+    text = chunk.get("text") if isinstance(chunk.get("text"), str) else ""
+    done = int((chunk.get("meta_info") or {}).get("completion_tokens") or 0)
+    if len(ids) == done or not result.output_ids:
+        result.output_ids = ids
+        result.output_text = text or result.output_text
+    else:
+        result.output_ids.extend(ids)
+        result.output_text += text
+
+
+async def generate(session, url: str, body: dict, result: CallResult, clock) -> None:
+    import aiohttp
+
+    sent = clock()
+    try:
+        async with session.post(f"{url}/generate", json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            if not body["stream"]:
+                chunk = await resp.json()
+                _take_chunk(result, chunk)
+            else:
+                async for line in resp.content:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    if math.isnan(result.ttft_s):
+                        result.ttft_s = clock() - sent
+                    _take_chunk(result, json.loads(payload))
+                    if result.error:
+                        return
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"[:200]
+        return
+    result.latency_s = clock() - sent
+    result.ok = not result.error and bool(result.output_ids)
+    if not result.ok and not result.error:
+        result.error = "no output"
+
+
+def _take_chunk(result: CallResult, chunk: dict) -> None:
+    if "error" in chunk:
+        error = chunk["error"]
+        result.error = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+        return
+    read_meta(result, chunk.get("meta_info") or {})
+    take_output(result, chunk)
+
+
+class ClosedLoopReplay:
+    """C workers, each replaying whole workflows one call after another."""
+
+    def __init__(self, url: str, workflows: list[list[ReplayCall]], concurrency: int, tokens: SegmentTokens,
+                 metadata: str = "custom_params", stream: bool = True, tool_time_scale: float = 1.0,
+                 request_timeout_s: float = 600.0, progress: bool = True):
+        self.url, self.workflows, self.concurrency = url.rstrip("/"), workflows, concurrency
+        self.tokens, self.metadata, self.stream = tokens, metadata, stream
+        self.tool_time_scale, self.request_timeout_s, self.progress = tool_time_scale, request_timeout_s, progress
+        self.results: list[CallResult] = []
+        self.workflow_latencies: dict[str, float] = {}
+        self.makespan_s = 0.0
+        self._prompt_tokens = self._device_tokens = 0  # running totals for the progress bar
+
+    async def run(self) -> None:
+        import aiohttp
+        from tqdm import tqdm
+
+        queue: asyncio.Queue = asyncio.Queue()
+        for wf in self.workflows:
+            queue.put_nowait(wf)
+        total = sum(len(wf) for wf in self.workflows)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._clock = lambda: loop.time() - start
+        bar = tqdm(total=total, desc="calls", unit="call", disable=not self.progress, file=sys.stderr)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=max(self.concurrency, 1))
+        # a large read buffer: a streamed chunk is one line holding every output id so far
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
+            workers = [asyncio.create_task(self._worker(session, queue, bar)) for _ in range(self.concurrency)]
+            await asyncio.gather(*workers)
+        bar.close()
+        self.makespan_s = self._clock()
+
+    async def _worker(self, session, queue: asyncio.Queue, bar) -> None:
+        while not queue.empty():
+            workflow = queue.get_nowait()
+            began = self._clock()
+            for call in workflow:
+                if call.tool_time > 0 and self.tool_time_scale > 0:
+                    await asyncio.sleep(call.tool_time * self.tool_time_scale)
+                result = await self._call(session, call)
+                self.results.append(result)
+                if result.ok:
+                    self._prompt_tokens += result.prompt_tokens
+                    self._device_tokens += result.device_tokens
+                bar.update(1)
+                bar.set_postfix(gpu_hit=f"{self._device_tokens / max(self._prompt_tokens, 1):.1%}", refresh=False)
+            self.workflow_latencies[workflow[0].workflow_id] = self._clock() - began
+
+    async def _call(self, session, call: ReplayCall) -> CallResult:
+        input_ids, segments = self.tokens.prompt(call)
+        rid = f"{call.workflow_id}/{call.step}/{time.time_ns()}"
+        result = CallResult(call.workflow_id, call.step, call.agent, segments=segments, start_s=self._clock())
+        await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid),
+                       result, self._clock)
+        result.end_s = self._clock()
+        if result.ok and call.output_tokens > 0:
+            self.tokens.generated[call.output_id] = list(result.output_ids)
+        if not result.prompt_tokens:
+            result.prompt_tokens = len(input_ids)
+        return result
+
+
+# -------------------------------------------------------------------- results
+
+
+def _percentile(values, q) -> float:
+    return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def summarize(replay: ClosedLoopReplay, labels: dict) -> dict:
+    """One row in evaluate.py's summary.json schema (serving_integration.evaluation)."""
+    ok = [r for r in replay.results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    gpu, host = sum(r.device_tokens for r in ok), sum(r.host_tokens for r in ok)
+    latencies = list(replay.workflow_latencies.values())
+    ttfts = [r.ttft_s for r in ok if not math.isnan(r.ttft_s)]
+    return {
+        "comparison": "policies", **labels,
+        "workflows": len(replay.workflows), "calls": len(replay.results), "failed_calls": len(replay.results) - len(ok),
+        "hit_rate": gpu / prompt if prompt else 0.0,
+        "gpu_hit_tokens": gpu, "host_hit_tokens": host, "miss_tokens": prompt - gpu - host, "prompt_tokens": prompt,
+        "prefix_hit_rate": (gpu + host) / prompt if prompt else 0.0,
+        "mean_workflow_latency_s": float(np.mean(latencies)) if latencies else 0.0,
+        "p50_workflow_latency_s": _percentile(latencies, 50), "p99_workflow_latency_s": _percentile(latencies, 99),
+        "mean_ttft_s": float(np.mean(ttfts)) if ttfts else 0.0, "p99_ttft_s": _percentile(ttfts, 99),
+        "mean_call_latency_s": float(np.mean([r.latency_s for r in ok])) if ok else 0.0,
+        "throughput_calls_per_s": len(ok) / replay.makespan_s if replay.makespan_s > 0 else 0.0,
+        "makespan_s": replay.makespan_s,
+    }
+
+
+async def server_info(url: str) -> dict:
+    """The server's /server_info, or {} when it has none (any SGLang-compatible endpoint works)."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(f"{url.rstrip('/')}/server_info") as resp:
+                return await resp.json() if resp.status == 200 else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError):
+        return {}
+
+
+def plugin_state(info: dict) -> dict:
+    """The PBKV plugin's snapshot from /server_info (first scheduler), {} without the plugin."""
+    for state in info.get("internal_states") or []:
+        if isinstance(state, dict) and isinstance(state.get("pbkv"), dict):
+            return state["pbkv"]
+    return {}
+
+
+def gpu_token_capacity(info: dict) -> int:
+    """The server's GPU KV capacity in tokens (scheduler info, else the first scheduler's memory usage)."""
+    if info.get("max_total_num_tokens"):
+        return int(info["max_total_num_tokens"])
+    for state in info.get("internal_states") or []:
+        capacity = ((state or {}).get("memory_usage") or {}).get("token_capacity")
+        if capacity:
+            return int(capacity)
+    return 0
+
+
+def labels_for(args, info: dict, workload: str) -> dict:
+    plugin = plugin_state(info)
+    return {"workload": workload, "policy": args.policy or info.get("radix_eviction_policy") or "unknown",
+            "prefetch": args.prefetch or plugin.get("prefetch") or "none",
+            "gpu_tokens": args.gpu_tokens or gpu_token_capacity(info),
+            "concurrency": args.concurrency, "noise": 0.0, "cost_model": f"sglang {args.url}",
+            "seed": args.seed, "prefetch_precision": plugin.get("prefetch_precision"),
+            "plugin_counters": plugin.get("counters", {})}
+
+
+def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: Path, fmt: str) -> Path:
+    """The replayed calls that succeeded as a trace dataset (data.import_traces reads it back).
+
+    native keeps the segment ids and the token counts actually sent (the server's real output
+    lengths included); chat keeps only message texts, which import_traces re-counts."""
+    from data.cli import compose_config
+    from data.formats import chat_records, native_records, write_jsonl_atomic
+    from data.import_traces import import_traces
+    from data.schema import call_record
+
+    out.mkdir(parents=True, exist_ok=True)
+    segments: dict[str, dict] = {}
+    rows = []
+    for r in sorted((r for r in replay.results if r.ok), key=lambda r: (r.workflow_id, r.step)):
+        call = calls[(r.workflow_id, r.step)]
+        for segment_id, _ in r.segments:
+            known = segment_table.get(segment_id, {})
+            segments.setdefault(segment_id, {"kind": known.get("kind") or "user", "text": known.get("text") or ""})
+        segments[call.output_id] = {"kind": "assistant" if fmt == "chat" else "output", "text": r.output_text}
+        rows.append(call_record(
+            workflow_id=r.workflow_id, step=r.step, agent=r.agent, workload=call.workload, task=call.task,
+            prompt_ids=[s for s, _ in r.segments], prompt_segment_tokens=[n for _, n in r.segments],
+            output_tokens=len(r.output_ids) or r.completion_tokens, output_id=call.output_id,
+            output_text=r.output_text, tool_time=call.tool_time * replay.tool_time_scale,
+            start_time=r.start_s, end_time=r.end_s, end_of_workflow=call.last))
+    source = out / f"calls.{fmt}.jsonl"
+    write_jsonl_atomic(source, (native_records if fmt == "native" else chat_records)(rows, segments))
+    import_traces(compose_config("import_traces", [f"format={fmt}", f"src={source}", f"out={out / 'dataset'}",
+                                                   "overwrite=true"]))
+    return out / "dataset"
+
+
+def write_summary(out: Path, row: dict, config: dict, append: bool) -> Path:
+    from serving_integration.evaluation import write_json_atomic
+
+    path = out / "summary.json"
+    rows = []
+    if append and path.is_file():
+        rows = json.loads(path.read_text()).get("rows", [])
+    write_json_atomic(path, {"rows": rows + [row], "config": config})
+    return path
+
+
+# -------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving_integration.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:30000", help="any SGLang endpoint (its /generate)")
+    p.add_argument("--data", required=True, help="a trace dataset dir (data.generate / data.import_traces)")
+    p.add_argument("--split", default="test", help="train | val | test | all")
+    p.add_argument("--n-workflows", type=int, default=0, help="replay only the first N workflows (0: all)")
+    p.add_argument("--concurrency", type=int, default=8, help="live workflows (closed loop)")
+    p.add_argument("--tool-time-scale", type=float, default=1.0, help="multiply the traces' tool times")
+    p.add_argument("--metadata", choices=("custom_params", "kv_hints", "none"), default="custom_params")
+    p.add_argument("--no-stream", action="store_true", help="plain responses (no TTFT)")
+    p.add_argument("--token-range", type=int, nargs=2, default=(1000, 30000), metavar=("LOW", "HIGH"),
+                   help="synthesized token ids are drawn from [LOW, HIGH): keep it inside the model's vocabulary")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--out", required=True, help="directory for summary.json and calls.jsonl")
+    p.add_argument("--append", action="store_true", help="add the row to an existing summary.json")
+    p.add_argument("--policy", help="row label (default: the server's --radix-eviction-policy)")
+    p.add_argument("--prefetch", help="row label (default: the plugin's prefetch mode, else none)")
+    p.add_argument("--gpu-tokens", type=int, default=0, help="row label (default: the server's KV capacity)")
+    p.add_argument("--save-trace", help="also save the replayed calls as a trace dataset under this dir")
+    p.add_argument("--save-format", choices=("native", "chat"), default="native",
+                   help="native keeps segment ids and the token counts sent; chat re-counts message text")
+    p.add_argument("--seed", type=int, default=0, help="recorded in the row (the replay is deterministic)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from data import store
+    from serving_integration.evaluation import format_table
+
+    ds = store.load(args.data)
+    rows = ds.rows(None if args.split == "all" else args.split)
+    workflows = replay_workflows(rows)[: args.n_workflows or None]
+    if not workflows:
+        print(f"error: split '{args.split}' of {args.data} has no workflows", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
+                              metadata=args.metadata, stream=not args.no_stream,
+                              tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,
+                              progress=not args.no_progress)
+    asyncio.run(replay.run())
+    info = asyncio.run(server_info(args.url))
+    workload = workflows[0][0].workload or Path(args.data).name
+    row = summarize(replay, labels_for(args, info, workload))
+    from data.formats import write_jsonl_atomic
+
+    write_jsonl_atomic(out / "calls.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
+                                             for r in replay.results))
+    path = write_summary(out, row, {k: v for k, v in vars(args).items()}, args.append)
+    if row["prompt_tokens"]:
+        print(format_table([row]))
+    print(f"summary: {path}")
+    if row["failed_calls"]:
+        errors = {r.error for r in replay.results if not r.ok}
+        print(f"{row['failed_calls']} of {row['calls']} calls failed: {sorted(errors)[:3]}", file=sys.stderr)
+    if args.save_trace:
+        calls = {(c.workflow_id, c.step): c for wf in workflows for c in wf}
+        saved = save_trace(replay, calls, ds.segment_table(), Path(args.save_trace), args.save_format)
+        print(f"trace dataset: {saved}")
+    return 1 if row["failed_calls"] == row["calls"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The PBKV plugin for stock SGLang 0.5.23, loaded through the `sglang.srt.plugins` entry point
+(pyproject.toml). SGLang calls `register()` in the launcher and again in every scheduler process
+(`sglang.srt.plugins.load_plugins`), then applies the hooks registered here.
+
+What it registers:
+  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow` (sglang_policies.py, wrapping policies.py):
+    into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the `--radix-eviction-policy` choices;
+  * the tree core `pbkv_python` (SGLang's Python core + split/delete/evict notifications), and a
+    hook on `select_tree_core_backend` that picks it whenever one of these policies is selected
+    (the compiled Rust core accepts only built-in policy names);
+  * hooks (HookRegistry, AFTER) that feed the runtime:
+      UnifiedRadixCache.checkpoint_into_tree   the request's path is in the tree: record accesses
+      UnifiedRadixCache.on_release             a call finished: queue its workflow's prediction,
+                                               or retire the workflow on its last call
+      Scheduler.get_next_batch_to_run          once per scheduler step: the batched predictor
+                                               round, retirement of silent workflows, prefetch
+      Scheduler.get_internal_state             the plugin's counters under "pbkv" in /server_info
+
+Every hook is a no-op for caches using other policies, and none can raise into SGLang: an
+exception inside a hook is logged and counted (`hook_errors`), and the original call's result
+stands.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+
+from serving_integration.workflow_runtime import POLICY_NAMES
+
+log = logging.getLogger(__name__)
+
+HOOK_ERRORS: Counter = Counter()  # failures per hook in this process (also counted on the runtime, if any)
+
+_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_TREE_CORE_SELECTION = "sglang.srt.mem_cache.unified_cache.tree_core_registry.select_tree_core_backend"
+
+_registered = False
+
+
+def register() -> None:
+    """The entry point. Idempotent: SGLang may call it more than once per process."""
+    global _registered
+    from serving_integration.sglang_compat import install_torchvision_guard
+
+    install_torchvision_guard()  # a no-op where torchvision loads (a full GPU install)
+    from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (register_tree_core_backend,
+                                                                        registered_tree_core_backends)
+    from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from serving_integration.sglang_policies import STRATEGIES, TREE_CORE_BACKEND, workflow_tree_core_factory
+
+    for name, strategy in STRATEGIES.items():
+        _EVICTION_POLICY_FACTORIES.setdefault(name, strategy)
+    add_radix_eviction_policy_choices([n for n in STRATEGIES if n not in RADIX_EVICTION_POLICY_CHOICES])
+    if TREE_CORE_BACKEND not in registered_tree_core_backends():
+        register_tree_core_backend(TREE_CORE_BACKEND, workflow_tree_core_factory)
+    if _registered:
+        return
+    _registered = True
+    HookRegistry.register(_TREE_CORE_SELECTION, select_workflow_tree_core, HookType.AROUND)
+    HookRegistry.register(f"{_CACHE}.checkpoint_into_tree", after_checkpoint, HookType.AFTER)
+    HookRegistry.register(f"{_CACHE}.on_release", after_release, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.get_next_batch_to_run", after_next_batch, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.get_internal_state", after_internal_state, HookType.AFTER)
+
+
+# -------------------------------------------------------------------- hooks
+
+
+def select_workflow_tree_core(original, params):
+    """AROUND select_tree_core_backend: our policies need the Python core with notifications."""
+    name = original(params)
+    if (getattr(params, "eviction_policy", None) or "").lower() in POLICY_NAMES:
+        from serving_integration.sglang_policies import TREE_CORE_BACKEND
+
+        if name != TREE_CORE_BACKEND:
+            log.info("PBKV: policy %s uses the Python tree core %s (was %s)", params.eviction_policy,
+                     TREE_CORE_BACKEND, name)
+        return TREE_CORE_BACKEND
+    return name
+
+
+def _never_raises(hook):
+    """An AFTER hook that keeps the original result and swallows (and counts) its own errors."""
+
+    @functools.wraps(hook)
+    def guarded(result, owner, *args, **kwargs):
+        try:
+            hook(result, owner, *args, **kwargs)
+        except Exception:  # noqa: BLE001  (the plugin must never take the server down)
+            HOOK_ERRORS[hook.__name__] += 1
+            runtime = _runtime(owner)
+            if runtime is not None:
+                runtime.stats.count("hook_errors")
+            if HOOK_ERRORS[hook.__name__] in (1, 10, 100) or HOOK_ERRORS[hook.__name__] % 1000 == 0:
+                log.exception("PBKV: hook %s failed (%d times); the server continues",
+                              hook.__name__, HOOK_ERRORS[hook.__name__])
+        return None  # None: HookRegistry keeps the original result
+
+    return guarded
+
+
+def _runtime(owner):
+    from serving_integration.sglang_policies import runtime_of
+
+    cache = getattr(owner, "tree_cache", owner)  # a Scheduler holds the cache as tree_cache
+    return runtime_of(cache) if cache is not None else None
+
+
+@_never_raises
+def after_checkpoint(result, cache, req, *args, **kwargs):
+    runtime = _runtime(cache)
+    if runtime is not None and getattr(req, "last_node", None) is not None:
+        runtime.on_cached(req, cache.tree_core.path_node_ids(req.last_node))
+
+
+@_never_raises
+def after_release(result, cache, req, *args, **kwargs):
+    runtime = _runtime(cache)
+    if runtime is not None and req.finished():
+        runtime.on_finished(req)
+
+
+@_never_raises
+def after_next_batch(plan, scheduler, *args, **kwargs):
+    runtime = _runtime(scheduler)
+    if runtime is None:
+        return
+    runtime.on_scheduler_step()
+    prefetcher = _prefetcher(runtime, scheduler.tree_cache)
+    if prefetcher is not None:
+        prefetcher.on_scheduler_step(plan.batch_to_run)
+
+
+@_never_raises
+def after_internal_state(output, scheduler, *args, **kwargs):
+    runtime = _runtime(scheduler)
+    state = getattr(output, "internal_state", None)
+    if runtime is not None and isinstance(state, dict):
+        state["pbkv"] = runtime.snapshot()
+
+
+def _prefetcher(runtime, cache):
+    """The runtime's prefetcher, built on first use (it needs the cache's HiCache controller)."""
+    if not runtime.prefetch.enabled or getattr(cache, "cache_controller", None) is None:
+        return None
+    prefetcher = getattr(runtime, "prefetcher", None)
+    if prefetcher is None:
+        from serving_integration.sglang_prefetch import HostPrefetcher
+
+        prefetcher = runtime.prefetcher = HostPrefetcher(runtime, cache)
+    return prefetcher

@@ -1,0 +1,119 @@
+"""The policies of policies.py as SGLang 0.5.23 eviction strategies, and the Python tree core
+that keeps their bookkeeping right.
+
+SGLang orders GPU->host demotion and host deletion with `EvictionStrategy.get_priority(node)`
+(smaller first, a min-heap over evictable leaves; mem_cache/evict_policy.py). Each strategy here
+has that one ordering method and hands it to the `WorkflowRuntime`, i.e. to the policy object of
+policies.py that the simulator uses too. The strategy is built by SGLang from
+`--radix-eviction-policy NAME --radix-eviction-policy-config '{json}'` (the json is the
+strategy's keyword arguments, see `PluginConfig`).
+
+PBKV's bookkeeping lives outside the tree nodes (a node split copies only the fields SGLang
+knows), keyed by node id. `WorkflowTreeCore` is SGLang's Python tree core (`UnifiedTreeCore`)
+plus three notifications: a split (the new prefix node inherits the old node's users), a node
+deletion (forget it) and a device eviction (KVFlow's parents inherit). The compiled Rust core
+accepts only built-in policy names, so the plugin selects this core whenever one of these
+policies is chosen (plugin.py).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+from serving_integration.workflow_runtime import WorkflowRuntime
+
+TREE_CORE_BACKEND = "pbkv_python"  # name under SGLang's register_tree_core_backend
+
+
+class WorkflowEvictionStrategy(EvictionStrategy):
+    policy_name: ClassVar[str]
+
+    def __init__(self, **config):
+        self.runtime = WorkflowRuntime.from_config(self.policy_name, **config)
+
+    def get_priority(self, node):
+        return self.runtime.priority(node)
+
+
+class PBKVStrategy(WorkflowEvictionStrategy):
+    """Retired cache first, then active cache by ascending lookahead reuse score, LRU ties."""
+
+    policy_name = "pbkv"
+
+
+class LifecycleLRUStrategy(WorkflowEvictionStrategy):
+    """Retired cache first, then LRU (PBKV without predictions)."""
+
+    policy_name = "pbkv_lae"
+
+
+class KVFlowStrategy(WorkflowEvictionStrategy):
+    """Larger steps-to-execution first, from a static agent step graph (KVFlow)."""
+
+    policy_name = "kvflow"
+
+
+STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
+    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy)
+}
+
+
+def runtime_of(cache) -> WorkflowRuntime | None:
+    """The runtime of a radix cache (or tree core) using one of these policies, else None."""
+    tree_core = getattr(cache, "tree_core", cache)
+    strategy = getattr(tree_core, "eviction_strategy", None)
+    return strategy.runtime if isinstance(strategy, WorkflowEvictionStrategy) else None
+
+
+class WorkflowTreeCore(UnifiedTreeCore):
+    """SGLang's Python tree core, telling the runtime about splits, deletions and evictions."""
+
+    @property
+    def runtime(self) -> WorkflowRuntime | None:
+        return runtime_of(self)
+
+    def path_node_ids(self, node_id) -> list[int]:
+        """Ids of the nodes from `node_id` up to (not including) the root."""
+        ids, node = [], self._node_arena.get(node_id)
+        while node is not None and node is not self.root_node:
+            ids.append(node.id)
+            node = node.parent
+        return ids
+
+    def _split_node(self, key, child, split_len):
+        new_node, action = super()._split_node(key, child, split_len)
+        if self.runtime is not None:  # the new node is the prefix; child keeps its id as the suffix
+            self.runtime.on_split(new_node, child)
+        return new_node, action
+
+    def _unregister_node(self, node):
+        super()._unregister_node(node)
+        if self.runtime is not None:
+            self.runtime.on_delete(node.id)
+
+    def evict_device_leaf(self, node_id, is_write_back):
+        node = self._node_arena.get(node_id)
+        result = super().evict_device_leaf(node_id, is_write_back)
+        if node is not None and result.backup_kv is None and self.runtime is not None:
+            self.runtime.on_device_evict(node)  # a write-back leaf leaves the GPU in demote() instead
+        return result
+
+    def demote(self, node_id):
+        node = self._node_arena.get(node_id)
+        result = super().demote(node_id)
+        if node is not None and self.runtime is not None:
+            self.runtime.on_device_evict(node)
+        return result
+
+    def reset(self):
+        super().reset()
+        if getattr(self, "eviction_strategy", None) is not None and self.runtime is not None:
+            self.runtime.forget_all_nodes()
+
+
+def workflow_tree_core_factory(params, components) -> WorkflowTreeCore:
+    """SGLang's TreeCoreFactory signature (tree_core_registry.register_tree_core_backend)."""
+    return WorkflowTreeCore(params, components)

@@ -1,0 +1,430 @@
+"""What the PBKV plugin keeps inside one SGLang scheduler process, apart from SGLang itself.
+
+`WorkflowRuntime` owns the `WorkflowLedger` and the eviction policy of policies.py (the same
+objects the simulator uses), follows the live workflows from the metadata their requests carry,
+batches the predictor over the calls that finished since the last scheduler step, and falls back
+to lifecycle-aware LRU whenever a prediction cannot be trusted. Nothing here imports SGLang: the
+SGLang side (sglang_policies.py, plugin.py, sglang_prefetch.py) calls in with node ids and nodes.
+
+Robustness: a predictor that raises, runs past its timeout or returns NaN / a malformed tensor
+turns that round's decision into lifecycle-aware LRU (`LifecycleLRU`, retired cache first, then
+LRU) until a later round succeeds; every such round is counted. Missing or malformed request
+metadata is counted and the request is served as an anonymous one (its cache is unowned, hence
+evicted like retired cache). A workflow that never sends its end signal is retired after
+`workflow_ttl_s` without calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from serving_integration.policies import LifecycleLRU, Prefetch, WorkflowLedger, make_policy
+from serving_integration.predictions import PredictionSource
+from serving_integration.workflow_tags import BadTag, WorkflowTag, tag_of_request
+
+log = logging.getLogger(__name__)
+
+POLICY_NAMES = ("pbkv", "pbkv_lae", "kvflow")
+DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
+MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow policies.
+
+    An unknown key fails at server start (TypeError naming it), as SGLang's own policies do."""
+
+    checkpoint: str | None = None  # train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)
+    step_graph_traces: str | None = None  # kvflow: dataset dir whose train split gives the step graph
+    horizon: int = 3  # K of kvflow's step graph (a checkpoint brings its own)
+    gamma: float = 0.5  # PBKV's lookahead discount
+    hold_step: int = 3  # kvflow
+    prefetch: str | None = None  # none | conservative | aggressive; default per policy (above)
+    predictor_device: str = "cpu"
+    predictor_timeout_s: float | None = 0.05  # None or 0: no timeout (needed for TP > 1, see docs)
+    pcie_gbps: float = 25.0  # host-to-GPU bandwidth the prefetch budget assumes
+    decode_step_ms: float = 20.0  # decode step time the prefetch budget assumes
+    kv_bytes_per_token: int | None = None  # read from the host pool when None
+    prefetch_reserve_tokens: int = 256  # free GPU tokens prefetch always leaves to decode
+    workflow_ttl_s: float = 3600.0  # retire a workflow silent this long (lost end signal); 0: never
+    stats_path: str | None = None  # JSON file the counters are written to
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self):
+        if self.prefetch is not None and self.prefetch not in Prefetch.MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(Prefetch.MODES)}; got {self.prefetch!r}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1]; got {self.gamma}")
+
+
+class PluginStats:
+    """Named counters, readable as one flat dict (server_info, the stats file, the logs)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[name]
+
+    def as_dict(self) -> dict:
+        return dict(sorted(self.counts.items()))
+
+
+@dataclass(eq=False)
+class LiveWorkflow:
+    """A live workflow as the predictor sees it (the `predictions.LiveWorkflow` protocol)."""
+
+    id: str
+    task: str = ""
+    agents: list[str] = field(default_factory=list)  # agents of its finished calls, in order
+    hidden: list[float] | None = None
+    running: set = field(default_factory=set)  # rids of its requests in flight
+    last_seen: float = 0.0
+
+
+class DaemonWorker:
+    """One daemon thread running submitted calls in order. Unlike a ThreadPoolExecutor, a predictor
+    stuck forever cannot hold up the scheduler process's exit."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001  (handed to the waiting scheduler thread)
+                future.set_exception(e)
+
+
+class GuardedPredictor:
+    """A prediction source that cannot take the scheduler down: every call returns a valid
+    [B, K, A+1] tensor or None, and says why in the counters when it is None.
+
+    With a timeout the source runs on one worker thread; a call still running from a timed-out
+    round makes the next rounds fall back at once instead of queueing behind it."""
+
+    def __init__(self, source: PredictionSource, stats: PluginStats, timeout_s: float | None):
+        self.source, self.stats = source, stats
+        self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else None
+        self._worker = DaemonWorker("pbkv-predictor") if self.timeout_s else None
+        self._late: concurrent.futures.Future | None = None
+
+    def warm_up(self, agent: str) -> None:
+        """One untimed call at server start, so lazy loading (a text encoder, first-call caches) does
+        not make the first real rounds time out."""
+        try:
+            self.source.predict([LiveWorkflow("warm-up", agents=[agent])])
+        except Exception as e:  # noqa: BLE001  (a predictor that cannot even warm up still falls back per round)
+            self.stats.count("predictor_warm_up_failed")
+            log.warning("PBKV predictor failed its warm-up call: %s: %s", type(e).__name__, e)
+
+    @property
+    def agent_names(self) -> list[str]:
+        return self.source.agent_names
+
+    def predict(self, workflows: list) -> torch.Tensor | None:
+        if self._late is not None and not self._late.done():
+            return self._failed("timeout", "the previous call is still running")
+        self._late = None
+        try:
+            probs = self._call(workflows)
+        except TimeoutError:
+            return self._failed("timeout", f"no answer within {self.timeout_s}s")
+        except Exception as e:  # noqa: BLE001  (any predictor bug must not reach the scheduler)
+            return self._failed("error", f"{type(e).__name__}: {e}")
+        problem = self._problem(probs, len(workflows))
+        if problem:
+            return self._failed(*problem)
+        self.stats.count("predictor_calls")
+        self.stats.count("predicted_workflows", len(workflows))
+        return probs
+
+    def _call(self, workflows):
+        if self._worker is None:
+            return self.source.predict(workflows)
+        future = self._worker.submit(self.source.predict, workflows)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._late = future
+            raise TimeoutError from None
+
+    def _problem(self, probs, batch: int) -> tuple[str, str] | None:
+        expected = (batch, len(self.source.agent_names) + 1)
+        if not isinstance(probs, torch.Tensor) or probs.dim() != 3 or (probs.shape[0], probs.shape[2]) != expected:
+            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            return "invalid", f"expected [B={expected[0]}, K, {expected[1]}] probabilities, got {shape}"
+        if not torch.isfinite(probs).all():
+            return "nan", "non-finite probabilities"
+        if (probs < 0).any():
+            return "invalid", "negative probabilities"
+        return None
+
+    def _failed(self, reason: str, detail: str) -> None:
+        self.stats.count(f"predictor_{reason}")
+        if self.stats[f"predictor_{reason}"] in (1, 10, 100) or self.stats[f"predictor_{reason}"] % 1000 == 0:
+            log.warning("PBKV predictor %s (%s); this round falls back to lifecycle-aware LRU", reason, detail)
+        return None
+
+
+def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
+    """pbkv: the train.py checkpoint; kvflow: its static step graph from a trace dataset. A source
+    that cannot be built is logged and counted; the policy then runs as lifecycle-aware LRU."""
+    try:
+        if policy == "kvflow" and config.step_graph_traces:
+            from data import store
+            from serving_integration.predictions import StaticGraphSource
+            from serving_integration.simulator import workflows_from_rows
+
+            train = workflows_from_rows(store.load(config.step_graph_traces).rows("train"))
+            return StaticGraphSource([[c.agent for c in w.calls] for w in train], config.horizon)
+        if policy != "kvflow" and config.checkpoint:
+            from models import load_predictor
+            from serving_integration.predictions import ModelSource
+
+            return ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
+    except Exception as e:  # noqa: BLE001
+        stats.count("predictor_unavailable")
+        log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
+        return None
+    if policy in ("pbkv", "kvflow"):
+        stats.count("predictor_unavailable")
+        log.error("PBKV: %s has no %s; it runs as lifecycle-aware LRU", policy,
+                  "step_graph_traces" if policy == "kvflow" else "checkpoint")
+    return None
+
+
+class WorkflowRuntime:
+    """Ledger, policy, predictor and workflow lifecycle of one radix cache."""
+
+    def __init__(self, policy_name: str, config: PluginConfig, source: PredictionSource | None = None,
+                 clock: Callable[[], float] = time.monotonic, stats: PluginStats | None = None):
+        if policy_name not in POLICY_NAMES:
+            raise ValueError(f"the PBKV plugin serves {', '.join(POLICY_NAMES)}; got {policy_name!r}")
+        self.policy_name, self.config, self.clock = policy_name, config, clock
+        self.stats = stats or PluginStats()
+        self.ledger = WorkflowLedger(config.gamma)
+        options = {"hold_step": config.hold_step} if policy_name == "kvflow" else {}
+        self.policy = make_policy(policy_name, self.ledger, **options)
+        self.fallback = LifecycleLRU(self.ledger)
+        self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
+        self.predictor = GuardedPredictor(source, self.stats, config.predictor_timeout_s) if source else None
+        if self.predictor is not None:
+            self.predictor.warm_up(source.agent_names[-1])
+        # predictions are needed by the order itself (pbkv, kvflow) or to rank prefetch candidates
+        self.needs_predictions = self.policy.uses_predictions or self.prefetch.enabled
+        self.degraded = self.needs_predictions and self.predictor is None
+        self.workflows: dict[str, LiveWorkflow] = {}
+        self.to_predict: dict[str, None] = {}  # workflows with a call finished since the last round
+        self.tags: OrderedDict[Any, WorkflowTag | None] = OrderedDict()  # rid -> tag, requests in flight
+        self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
+        self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
+        self._stats_written = -math.inf
+        self._ttl_checked = -math.inf
+
+    @classmethod
+    def from_config(cls, policy_name: str, **config) -> "WorkflowRuntime":
+        cfg = PluginConfig(**config)
+        stats = PluginStats()
+        source = build_prediction_source(policy_name, cfg, stats)
+        return cls(policy_name, cfg, source, stats=stats)
+
+    # ---------------------------------------------------------------- eviction order
+
+    def priority(self, node) -> tuple:
+        """The order SGLang's eviction heaps use: the policy's, or lifecycle-aware LRU while the
+        latest prediction round failed. Within one eviction pass the mode cannot change (rounds
+        run between passes, on the scheduler thread), so one heap never mixes the two orders."""
+        if self.degraded and self.policy.uses_predictions:
+            self.stats.count("fallback_priorities")
+            return self.fallback.priority(node)
+        return self.policy.priority(node)
+
+    # ---------------------------------------------------------------- request events
+
+    def tag_of(self, req) -> WorkflowTag | None:
+        """The request's tag, parsed once per request; missing and bad metadata are counted."""
+        rid = getattr(req, "rid", None)
+        if rid in self.tags:
+            return self.tags[rid]
+        try:
+            tag = tag_of_request(req)
+            self.stats.count("requests_tagged" if tag else "metadata_missing")
+        except BadTag as e:
+            tag = None
+            self.stats.count("metadata_bad")
+            if self.stats["metadata_bad"] in (1, 10, 100) or self.stats["metadata_bad"] % 1000 == 0:
+                log.warning("PBKV: request %s has malformed workflow metadata (%s); served untracked", rid, e)
+        self.tags[rid] = tag
+        while len(self.tags) > MAX_REMEMBERED_REQUESTS:
+            self.tags.popitem(last=False)
+        return tag
+
+    def on_cached(self, req, path_node_ids: list[int]) -> None:
+        """The request's tokens are in the tree along `path_node_ids` (SGLang's checkpoint)."""
+        tag = self.tag_of(req)
+        if tag is None:
+            return
+        wf = self._live(tag)
+        wf.running.add(req.rid)
+        for node_id in path_node_ids:
+            self.ledger.record_access(node_id, wf.id, tag.agent)
+            if node_id in self.prefetched:  # prefetched, and read before it was evicted
+                self.stats.count("prefetch_used_tokens", self.prefetched.pop(node_id))
+
+    def on_finished(self, req) -> None:
+        """A call finished: its workflow is predicted in the next round, or retired if it was the last."""
+        tag = self.tag_of(req)
+        self.tags.pop(getattr(req, "rid", None), None)
+        if tag is None:
+            return
+        wf = self._live(tag)
+        wf.running.discard(req.rid)
+        wf.agents.append(tag.agent)
+        self.stats.count("calls_finished")
+        if tag.workflow_end:
+            self.end_workflow(wf.id)
+        else:
+            self.to_predict[wf.id] = None
+
+    def end_workflow(self, workflow_id: str) -> None:
+        self.ledger.end(workflow_id)
+        self.workflows.pop(workflow_id, None)
+        self.to_predict.pop(workflow_id, None)
+        self.stats.count("workflows_ended")
+
+    def _live(self, tag: WorkflowTag) -> LiveWorkflow:
+        wf = self.workflows.get(tag.workflow_id)
+        if wf is None:
+            wf = self.workflows[tag.workflow_id] = LiveWorkflow(tag.workflow_id, task=tag.task)
+            self.ledger.start(wf.id)
+            self.stats.count("workflows_started")
+        if tag.task and not wf.task:
+            wf.task = tag.task
+        wf.last_seen = self.clock()
+        return wf
+
+    # ---------------------------------------------------------------- scheduler steps
+
+    def on_scheduler_step(self) -> None:
+        self.run_predictions()
+        self.retire_silent_workflows()
+        self.maybe_write_stats()
+
+    def run_predictions(self) -> None:
+        """One batched predictor call over the workflows whose call finished since the last round."""
+        batch = [self.workflows[w] for w in self.to_predict if w in self.workflows]
+        self.to_predict.clear()
+        if not batch or not self.needs_predictions:
+            return
+        if self.predictor is None:
+            self.stats.count("fallback_rounds")
+            return
+        probs = self.predictor.predict(batch)
+        if probs is None:
+            self.degraded = True
+            self.stats.count("fallback_rounds")
+            return
+        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs)
+        self.degraded = False
+
+    def retire_silent_workflows(self) -> None:
+        now = self.clock()
+        if self.config.workflow_ttl_s <= 0 or now - self._ttl_checked < min(1.0, self.config.workflow_ttl_s):
+            return
+        self._ttl_checked = now
+        deadline = now - self.config.workflow_ttl_s
+        for wf in [w for w in self.workflows.values() if not w.running and w.last_seen < deadline]:
+            self.end_workflow(wf.id)
+            self.stats.count("workflows_expired")
+
+    # ---------------------------------------------------------------- tree events
+
+    def on_split(self, prefix, suffix) -> None:
+        """A node split: the new prefix node was used by everyone who used the old node."""
+        self.ledger.split(prefix.id, suffix.id)
+        if suffix.id in self.prefetched:
+            self.prefetched[prefix.id] = len(prefix.key)
+            self.prefetched[suffix.id] = len(suffix.key)
+
+    def on_device_evict(self, node) -> None:
+        self.policy.on_evict(node)
+        self.prefetched.pop(node.id, None)
+
+    def on_delete(self, node_id: int) -> None:
+        self.ledger.forget(node_id)
+        self.prefetched.pop(node_id, None)
+
+    def forget_all_nodes(self) -> None:
+        """The tree was reset (flush_cache): no node id is valid any more."""
+        for node_id in list(self.ledger.users):
+            self.ledger.forget(node_id)
+        self.prefetched.clear()
+
+    def on_prefetched(self, nodes) -> None:
+        for node in nodes:
+            self.prefetched[node.id] = len(node.key)
+            self.stats.count("prefetched_tokens", len(node.key))
+
+    def idle_workflow_nodes(self) -> list[int]:
+        """Node ids used by live workflows with no request in flight (prefetch candidates)."""
+        ids: dict[int, None] = {}
+        for wf in self.workflows.values():
+            if not wf.running:
+                ids.update(self.ledger.nodes_of.get(wf.id, {}))
+        return list(ids)
+
+    # ---------------------------------------------------------------- reporting
+
+    def snapshot(self) -> dict:
+        counts = self.stats.as_dict()
+        prefetched = counts.get("prefetched_tokens", 0)
+        return {"policy": self.policy_name, "prefetch": self.prefetch.mode, "degraded": self.degraded,
+                "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
+                "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
+                "config": asdict(self.config), "counters": counts}
+
+    def maybe_write_stats(self, force: bool = False) -> None:
+        path = self.config.stats_path
+        now = self.clock()
+        if not path or (not force and now - self._stats_written < self.config.stats_interval_s):
+            return
+        self._stats_written = now
+        try:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.snapshot(), f, indent=2)
+            os.replace(tmp, target)
+        except OSError as e:
+            self.stats.count("stats_write_errors")
+            log.warning("PBKV: cannot write stats to %s: %s", path, e)

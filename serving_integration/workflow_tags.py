@@ -1,0 +1,111 @@
+"""The workflow metadata a request carries to the PBKV plugin: one wire format, written by the
+benchmark client (and any orchestrator) and read inside the SGLang scheduler.
+
+Two carriers, both of which leave the radix tree's prefix sharing intact (design.md section 7;
+`extra_key` / `cache_salt` would namespace the tree and must never carry a workflow id):
+
+    sampling_params.custom_params = {"pbkv": {"workflow_id": "w1", "agent": "coder", "step": 3,
+                                               "workflow_end": false, "task": "..."}}
+    kv_hints = {"protocol_version": "1", "message_id": "<rid>",
+                "actions": [{"action_id": "pbkv", "action_type": "pbkv.workflow",
+                             "action_version": "1", "payload": {... same fields ...}}]}
+
+`custom_params` works from any client; `kv_hints` is SGLang's orchestrator envelope (it reaches
+`Req.kv_hints`, which mem_cache ignores in 0.5.23). When both are present the kv_hints action wins.
+`workflow_end: true` marks the workflow's last call: when it finishes, the workflow's cache is
+retired. `task` (the workflow's task text) is read once, for the predictor's text signal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CUSTOM_PARAMS_KEY = "pbkv"
+HINT_ACTION_TYPE = "pbkv.workflow"
+HINT_ACTION_VERSION = "1"
+MAX_ID_CHARS = 256  # longer ids are rejected as bad metadata rather than stored
+MAX_TASK_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class WorkflowTag:
+    workflow_id: str
+    agent: str
+    step: int | None = None
+    workflow_end: bool = False
+    task: str = ""
+
+    def as_payload(self) -> dict:
+        payload: dict[str, Any] = {"workflow_id": self.workflow_id, "agent": self.agent,
+                                   "workflow_end": self.workflow_end}
+        if self.step is not None:
+            payload["step"] = self.step
+        if self.task:
+            payload["task"] = self.task
+        return payload
+
+
+class BadTag(ValueError):
+    """The request carries PBKV metadata, but it is malformed."""
+
+
+# -------------------------------------------------------------------- client side
+
+
+def custom_params_for(tag: WorkflowTag) -> dict:
+    """The `sampling_params.custom_params` entry of a /generate request."""
+    return {CUSTOM_PARAMS_KEY: tag.as_payload()}
+
+
+def kv_hints_for(tag: WorkflowTag, message_id: str) -> dict:
+    """A `kv_hints` envelope of a /generate request (for trusted orchestrators)."""
+    return {"protocol_version": "1", "message_id": message_id,
+            "actions": [{"action_id": "pbkv", "action_type": HINT_ACTION_TYPE,
+                         "action_version": HINT_ACTION_VERSION, "payload": tag.as_payload()}]}
+
+
+# -------------------------------------------------------------------- server side
+
+
+def tag_from_payload(payload: Any) -> WorkflowTag:
+    if not isinstance(payload, dict):
+        raise BadTag(f"workflow metadata must be an object, got {type(payload).__name__}")
+    workflow_id, agent = payload.get("workflow_id"), payload.get("agent")
+    for name, value in (("workflow_id", workflow_id), ("agent", agent)):
+        if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+            raise BadTag(f"'{name}' must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    step = payload.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise BadTag("'step' must be a non-negative integer")
+    end = payload.get("workflow_end", False)
+    if not isinstance(end, bool):
+        raise BadTag("'workflow_end' must be a boolean")
+    task = payload.get("task") or ""
+    if not isinstance(task, str):
+        raise BadTag("'task' must be a string")
+    return WorkflowTag(workflow_id, agent, step, end, task[:MAX_TASK_CHARS])
+
+
+def _hint_payload(kv_hints: Any) -> Any:
+    """The payload of the PBKV action in a kv_hints envelope (a KvHintsEnvelope or a dict)."""
+    actions = kv_hints.get("actions") if isinstance(kv_hints, dict) else getattr(kv_hints, "actions", None)
+    for action in actions or ():
+        kind = action.get("action_type") if isinstance(action, dict) else getattr(action, "action_type", None)
+        if kind == HINT_ACTION_TYPE:
+            return action.get("payload") if isinstance(action, dict) else getattr(action, "payload", None)
+    return None
+
+
+def tag_of_request(req: Any) -> WorkflowTag | None:
+    """The request's workflow tag; None when it carries none; BadTag when it is malformed.
+
+    `req` is SGLang's scheduler-side `Req` (reads `kv_hints` and `sampling_params.custom_params`)."""
+    payload = _hint_payload(getattr(req, "kv_hints", None))
+    if payload is None:
+        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        if isinstance(params, dict):
+            payload = params.get(CUSTOM_PARAMS_KEY)
+    if payload is None:
+        return None
+    return tag_from_payload(payload)

@@ -1,0 +1,396 @@
+"""The PBKV SGLang plugin, on CPU, against the real sglang 0.5.23 package (installed as design.md
+section 9 describes; CI installs it too). Nothing here is skipped: a missing sglang fails.
+
+The cache is SGLang's own UnifiedRadixCache with real CPU pools and the Python tree core; requests
+are SGLang `Req` objects released through SGLang's `release_kv_cache`, so the plugin's hooks run
+exactly where they run in a server. Only the scheduler step is driven by hand (`Serving.step`): a
+real Scheduler needs a GPU model runner.
+"""
+
+import argparse
+import json
+import math
+import time
+import types
+from array import array
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+from serving_integration.sglang_compat import install_torchvision_guard
+
+install_torchvision_guard()
+import sglang.srt.mem_cache.unified_cache.tree_core_registry as tree_core_registry  # noqa: E402
+from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES  # noqa: E402
+from sglang.srt.managers.kv_hints import decode_kv_hints_envelope  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, NextBatchPlan, Req  # noqa: E402
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES, get_eviction_strategy  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import (ServerArgs, prepare_server_args,  # noqa: E402
+                                    set_global_server_args_for_scheduler)
+
+from models import save_predictor  # noqa: E402
+from models.markov import MarkovPredictor  # noqa: E402
+from serving_integration import launch, plugin  # noqa: E402
+from serving_integration.predictions import ModelSource  # noqa: E402
+from serving_integration.workflow_runtime import GuardedPredictor  # noqa: E402
+
+AGENTS = ["<unk>", "a", "b"]
+
+
+# -------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_plugins():
+    """What launch_server and each scheduler process do: load every sglang.srt.plugins entry point."""
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))  # the config a scheduler publishes
+    load_plugins()
+    yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real Markov predictor: after `a` the next call is `a` again (3 of 4), after `b` the workflow ends."""
+    predictor = MarkovPredictor.from_sequences(AGENTS, 2, [[1, 1, 1, 1, 2]] * 4, order=1)
+    return str(save_predictor(predictor, tmp_path_factory.mktemp("ckpt") / "predictor.pt"))
+
+
+class Serving:
+    """One SGLang radix cache on CPU pools, and what the scheduler does for each request."""
+
+    def __init__(self, policy="pbkv", config=None, kv_tokens=256):
+        self.req_pool = ReqToTokenPool(size=16, max_context_len=512, device="cpu", enable_memory_saver=False)
+        kv = MHATokenToKVPool(size=kv_tokens, page_size=1, dtype=torch.float16, head_num=1, head_dim=4,
+                              layer_num=1, device="cpu", enable_memory_saver=False)
+        self.allocator = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.float16, device="cpu", kvcache=kv,
+                                                need_sort=False)
+        self.cache = UnifiedRadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=1,
+            tree_components=(ComponentType.FULL,), eviction_policy=policy, eviction_policy_config=config,
+            tree_core_backend="python"))  # our policies get pbkv_python whatever is asked; LRU gets SGLang's
+        self.runtime = self.cache.tree_core.eviction_strategy.runtime if policy in plugin.POLICY_NAMES else None
+        self.paths: dict[str, set] = {}
+        self._rid = 0
+
+    def serve(self, prompt, output, tag=None, kv_hints=None, label=None):
+        """Admit (match, lock, allocate), run, finish and release one request; returns its matched length."""
+        self._rid += 1
+        params = SamplingParams(max_new_tokens=len(output), custom_params={"pbkv": tag} if tag is not None else None)
+        req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", prompt),
+                  sampling_params=params, kv_hints=kv_hints)
+        self.req_pool.alloc([req])
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
+        prefix, total = match.device_prefix_len, len(prompt) + len(output)
+        req.last_node, req.lock = match.last_device_node, self.cache.lock(match.last_device_node)
+        row = req.kv.req_pool_idx
+        self.req_pool.write((row, slice(0, prefix)), self.cache.path_device_indices(match.last_device_node))
+        self.req_pool.write((row, slice(prefix, total)), self.allocator.alloc(total - prefix))
+        req.kv.cache_protected_len = prefix
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = total
+        req.output_ids = array("q", output)
+        req.finished_reason, req.finished_len = FINISH_LENGTH(length=len(output)), len(output)
+        release_kv_cache(req, self.cache, checkpoint=True)  # checkpoint into the tree, unlock, on_release
+        if label is not None:
+            self.paths.setdefault(label, set()).update(self.path_ids(req.last_node))
+        return prefix
+
+    def path_ids(self, node_id):
+        node, ids = self.cache.tree_core.node_by_id(node_id), []
+        while node is not self.cache.tree_core.root_node:
+            ids.append(node.id)
+            node = node.parent
+        return ids
+
+    def step(self):
+        """The plugin's per-step work, as its hook on Scheduler.get_next_batch_to_run runs it (a stand-in
+        scheduler: the hook reads only its tree_cache; an idle step has no batch)."""
+        plugin.after_next_batch(NextBatchPlan(batch_to_run=None, running_batch=None),
+                                types.SimpleNamespace(tree_cache=self.cache))
+
+    def eviction_order(self):
+        """Evict one leaf at a time; the labels in the order their first node left the cache."""
+        order, arena = [], self.cache.tree_core._node_arena
+        while self.cache.evictable_size() > 0:
+            self.cache.evict(EvictParams(num_tokens=1))
+            for label, ids in self.paths.items():
+                if label not in order and any(i not in arena for i in ids):
+                    order.append(label)
+        return order
+
+
+def tag(workflow, agent, step=0, end=False):
+    return {"workflow_id": workflow, "agent": agent, "step": step, "workflow_end": end}
+
+
+def prompt(first, n=8):
+    return list(range(first, first + n))
+
+
+def three_workflows(serving):
+    """A (agent a, predicted to call a again: high score), then B (agent b, predicted to end: low score),
+    then C (its last call: retired). LRU would evict A first, then B, then C."""
+    serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")
+    serving.step()
+    serving.serve(prompt(200), [1, 2], tag("B", "b"), label="B")
+    serving.step()
+    serving.serve(prompt(300), [1, 2], tag("C", "a", end=True), label="C")
+    serving.step()
+
+
+# -------------------------------------------------------------------- registration
+
+
+def test_entry_point_is_listed_and_loading_it_registers_pbkv():
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pbkv"]
+    assert ep.value == "serving_integration.plugin:register"
+    for name in ("pbkv", "pbkv_lae", "kvflow"):  # undo the module fixture's load_plugins, then load the entry point
+        _EVICTION_POLICY_FACTORIES.pop(name)
+        RADIX_EVICTION_POLICY_CHOICES.remove(name)
+    ep.load()()  # what load_plugins does with it
+    ep.load()()  # SGLang may load it in a process more than once
+    from serving_integration.sglang_policies import KVFlowStrategy, LifecycleLRUStrategy, PBKVStrategy
+
+    assert _EVICTION_POLICY_FACTORIES["pbkv"] is PBKVStrategy
+    assert _EVICTION_POLICY_FACTORIES["pbkv_lae"] is LifecycleLRUStrategy
+    assert _EVICTION_POLICY_FACTORIES["kvflow"] is KVFlowStrategy
+    assert {"pbkv", "pbkv_lae", "kvflow"} <= set(RADIX_EVICTION_POLICY_CHOICES)
+    assert RADIX_EVICTION_POLICY_CHOICES.count("pbkv") == 1
+    assert "pbkv_python" in tree_core_registry.registered_tree_core_backends()
+    for target in ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint_into_tree",
+                   "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
+                   "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+                   "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+                   "sglang.srt.mem_cache.unified_cache.tree_core_registry.select_tree_core_backend"):
+        assert target in HookRegistry._patched, target
+
+
+def test_radix_eviction_policy_pbkv_parses_in_server_args(checkpoint):
+    config = {"checkpoint": checkpoint, "gamma": 0.7, "prefetch": "conservative"}
+    argv = ["--model-path", "dummy", "--enable-hierarchical-cache", "--radix-eviction-policy", "pbkv",
+            "--radix-eviction-policy-config", json.dumps(config)]
+    server_args = prepare_server_args(argv)  # what sglang.launch_server does after load_plugins()
+    assert server_args.radix_eviction_policy == "pbkv" and server_args.enable_hierarchical_cache
+    assert server_args.radix_eviction_policy_config == config
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(argv).radix_eviction_policy == "pbkv"  # the bare argparser too
+    with pytest.raises(SystemExit):  # argparse still refuses names nobody registered
+        parser.parse_args(["--model-path", "dummy", "--radix-eviction-policy", "pbkv_typo"])
+    strategy = get_eviction_strategy("pbkv", config)  # what the tree core does at startup
+    assert strategy.runtime.predictor is not None and strategy.runtime.ledger.gamma == 0.7
+    with pytest.raises(TypeError, match="bogus"):  # an unknown key fails at startup, as for SGLang's policies
+        get_eviction_strategy("pbkv", {"bogus": 1})
+
+
+def test_our_policies_get_the_python_tree_core_even_when_rust_is_asked_for():
+    def params(policy, backend=None):
+        return CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
+                               eviction_policy=policy, tree_core_backend=backend)
+
+    for policy in ("pbkv", "pbkv_lae", "kvflow"):
+        assert tree_core_registry.select_tree_core_backend(params(policy, "rust")) == "pbkv_python"
+        assert tree_core_registry.select_tree_core_backend(params(policy)) == "pbkv_python"
+    assert tree_core_registry.select_tree_core_backend(params("lru", "python")) == "python"
+    serving = Serving("pbkv_lae")
+    assert serving.cache._tree_core_backend == "pbkv_python"
+    assert type(serving.cache.tree_core).__name__ == "WorkflowTreeCore"
+
+
+# -------------------------------------------------------------------- eviction order in SGLang's cache
+
+
+def test_unified_radix_cache_evicts_in_pbkv_order(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+    three_workflows(serving)
+    ledger = serving.runtime.ledger
+    a_node, b_node = (max(serving.paths[w]) for w in "AB")
+    assert ledger.is_retired(max(serving.paths["C"])) and not ledger.is_retired(a_node)
+    assert ledger.score(a_node) > ledger.score(b_node) > 0  # a is predicted again; b is predicted to end
+    assert serving.runtime.stats["predictor_calls"] == 2 and not serving.runtime.degraded
+    assert serving.eviction_order() == ["C", "B", "A"]  # retired first, then low score before high
+
+    baseline = Serving("lru")
+    three_workflows(baseline)
+    assert baseline.eviction_order() == ["A", "B", "C"]  # the same calls under SGLang's LRU
+
+
+def test_lifecycle_lru_evicts_retired_then_lru():
+    serving = Serving("pbkv_lae")
+    three_workflows(serving)
+    assert serving.runtime.predictor is None and not serving.runtime.degraded  # pbkv_lae needs no predictor
+    assert serving.eviction_order() == ["C", "A", "B"]
+
+
+def test_node_splits_keep_the_bookkeeping(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+    serving.serve(prompt(100, 8), [1, 2], tag("A", "a"), label="A")
+    a_nodes = set(serving.paths["A"])
+    # D shares A's first 4 tokens: SGLang splits A's prompt node; the new prefix node gets a new id
+    serving.serve(prompt(100, 4) + [7, 7, 7], [3], tag("D", "b"), label="D")
+    ledger, tree = serving.runtime.ledger, serving.cache.tree_core
+    (shared,) = [n for n in serving.paths["D"] if tree.node_by_id(n).key.token_ids[0] == 100]
+    assert shared not in a_nodes and len(tree.node_by_id(shared).key) == 4
+    serving.paths["A"].add(shared)
+    assert ledger.users[shared] == {"A": {"a": None}, "D": {"b": None}}
+    assert shared in ledger.nodes_of["A"] and shared in ledger.nodes_of["D"]
+    serving.runtime.end_workflow("D")
+    assert not ledger.is_retired(shared)  # A still lives on the shared prefix
+    d_only = serving.paths["D"] - serving.paths["A"]
+    assert d_only and all(ledger.is_retired(n) for n in d_only)
+    serving.paths["D"] = d_only
+    assert serving.eviction_order() == ["D", "A"]
+    assert not ledger.users and not ledger.nodes_of["A"]  # deleted nodes are forgotten
+
+
+# -------------------------------------------------------------------- fallbacks and robustness
+
+
+# Fault injection around the real predictor: it raises, hangs past the timeout, or (corrupted weights)
+# returns NaN.
+class RaisingSource(ModelSource):
+    def predict(self, workflows):
+        raise RuntimeError("predictor exploded")
+
+
+class SlowSource(ModelSource):
+    def predict(self, workflows):
+        time.sleep(0.5)
+        return super().predict(workflows)
+
+
+def nan_source(checkpoint):
+    from models import load_predictor
+
+    predictor = load_predictor(checkpoint)
+    predictor.table.fill_(math.nan)  # corrupted weights: the real predictor returns NaN
+    return ModelSource(predictor)
+
+
+@pytest.mark.parametrize("fault", ["error", "nan", "timeout"])
+def test_failing_predictor_falls_back_to_lifecycle_lru_and_is_counted(checkpoint, fault):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0.1})
+    runtime = serving.runtime
+    good = runtime.predictor.source
+    faulty = {"error": RaisingSource(good.predictor), "nan": nan_source(checkpoint),
+              "timeout": SlowSource(good.predictor)}[fault]
+    serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")
+    serving.step()  # a good round for A
+    runtime.predictor = GuardedPredictor(faulty, runtime.stats, runtime.config.predictor_timeout_s)
+    serving.serve(prompt(200), [1, 2], tag("B", "b"), label="B")
+    serving.step()  # B's round fails
+    serving.serve(prompt(300), [1, 2], tag("C", "a", end=True), label="C")
+    assert runtime.degraded
+    assert runtime.stats[f"predictor_{fault}"] == 1 and runtime.stats["fallback_rounds"] == 1
+    assert serving.eviction_order() == ["C", "A", "B"]  # lifecycle-aware LRU, not PBKV's C, B, A
+    assert runtime.stats["fallback_priorities"] > 0
+    if fault == "timeout":  # the late call still runs: the next round falls back at once
+        serving.serve(prompt(400), [1], tag("E", "a"))
+        serving.step()
+        assert runtime.stats["predictor_timeout"] == 2
+        time.sleep(0.6)
+    runtime.predictor = GuardedPredictor(good, runtime.stats, None)
+    serving.serve(prompt(500), [1], tag("F", "a"))
+    serving.step()
+    assert not runtime.degraded  # a good round restores PBKV's order
+
+
+def test_unreadable_checkpoint_runs_as_lifecycle_lru(tmp_path):
+    bad = tmp_path / "predictor.pt"
+    bad.write_bytes(b"not a checkpoint")
+    serving = Serving("pbkv", {"checkpoint": str(bad)})
+    assert serving.runtime.predictor is None and serving.runtime.degraded
+    assert serving.runtime.stats["predictor_unavailable"] == 1
+    three_workflows(serving)
+    assert serving.runtime.stats["fallback_rounds"] == 2
+    assert serving.eviction_order() == ["C", "A", "B"]
+
+
+def test_bad_or_missing_metadata_is_tolerated_and_counted(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+    hints = decode_kv_hints_envelope({"protocol_version": "1", "message_id": "m", "actions": [
+        {"action_id": "x", "action_type": "pbkv.workflow", "action_version": "1",
+         "payload": {"workflow_id": "H", "agent": "a", "step": 0}}]})
+    serving.serve(prompt(100), [1], kv_hints=hints, label="H")  # kv_hints carry the tag
+    serving.serve(prompt(200), [1], label="anonymous")  # no metadata
+    serving.serve(prompt(300), [1], {"workflow_id": 7, "agent": "a"}, label="bad")  # malformed
+    serving.serve(prompt(400), [1], {"workflow_id": "W", "agent": "a", "step": -1}, label="bad2")
+    serving.serve(prompt(500), [1], "not an object", label="bad3")
+    serving.step()
+    stats = serving.runtime.stats
+    assert stats["requests_tagged"] == 1 and stats["metadata_missing"] == 1 and stats["metadata_bad"] == 3
+    assert list(serving.runtime.workflows) == ["H"]
+    assert serving.serve(prompt(200), [1]) == 8  # untracked requests still share the cache
+    assert serving.eviction_order()[-1] == "H"  # unowned cache counts as retired: it goes first
+
+
+class ExplodingHints:
+    @property
+    def actions(self):
+        raise RuntimeError("a plugin bug")
+
+
+def test_a_failing_hook_never_reaches_sglang(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+    serving.serve(prompt(100), [1, 2], kv_hints=ExplodingHints(), label="X")  # release_kv_cache completes
+    assert serving.runtime.stats["hook_errors"] == 2  # checkpoint and release hooks, both swallowed
+    assert serving.serve(prompt(100), [1, 2]) == 8  # and the request's prompt is in the tree
+    state = types.SimpleNamespace(internal_state={})
+    plugin.after_internal_state(state, types.SimpleNamespace(tree_cache=serving.cache))
+    assert state.internal_state["pbkv"]["counters"]["hook_errors"] == 2
+
+
+def test_workflows_without_an_end_signal_retire_after_their_ttl(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "workflow_ttl_s": 0.05})
+    serving.serve(prompt(100), [1], tag("A", "a"), label="A")
+    time.sleep(0.1)
+    serving.step()
+    assert serving.runtime.stats["workflows_expired"] == 1
+    assert all(serving.runtime.ledger.is_retired(n) for n in serving.paths["A"])
+
+
+def test_stats_file_and_kvflow_step_graph(tmp_path, hover_small):
+    from data import store
+
+    data_dir = tmp_path / "hover"
+    store.save(store.build(hover_small), data_dir)
+    stats_path = tmp_path / "stats.json"
+    serving = Serving("kvflow", {"step_graph_traces": str(data_dir), "stats_path": str(stats_path),
+                                 "predictor_timeout_s": 0})
+    assert serving.runtime.predictor is not None and serving.runtime.prefetch.mode == "aggressive"
+    serving.serve(prompt(100), [1], tag("A", "retriever"), label="A")
+    serving.step()
+    serving.serve(prompt(200), [1], tag("B", "verifier", end=True), label="B")
+    serving.step()
+    assert serving.eviction_order()[0] == "B"
+    written = json.loads(stats_path.read_text())
+    assert written["policy"] == "kvflow" and written["counters"]["predictor_calls"] == 1
+
+
+# -------------------------------------------------------------------- the launcher
+
+
+def test_launch_builds_a_valid_sglang_command(checkpoint, capsys):
+    assert launch.main(["--model-path", "dummy", "--policy", "pbkv", "--checkpoint", checkpoint, "--dry-run",
+                        "--", "--max-total-tokens", "4096"]) == 0
+    cmd = launch.build_command(*launch.parse_args(["--model-path", "dummy", "--checkpoint", checkpoint,
+                                                   "--policy-config", '{"predictor_timeout_s": 0.2}']))
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    args = prepare_server_args(cmd[3:])
+    assert args.enable_hierarchical_cache and args.radix_eviction_policy == "pbkv"
+    assert args.radix_eviction_policy_config["predictor_timeout_s"] == 0.2
+    assert get_eviction_strategy("pbkv", args.radix_eviction_policy_config).runtime.predictor is not None
+    assert "--max-total-tokens 4096" in capsys.readouterr().out
+    assert launch.main(["--model-path", "dummy", "--policy", "pbkv", "--dry-run"]) == 2  # no checkpoint
+    assert launch.main(["--model-path", "dummy", "--policy", "lru", "--dry-run"]) == 0
