@@ -1,0 +1,61 @@
+"""Markdown table of test metrics per predictor family, from the metrics.json of train.py runs.
+
+    python train.py -m model=graphsage,rgcn,markov,intent_residual hydra.sweep.dir=multirun/families
+    python -m benchmarks.predictor_table multirun/families                    # top-1, k = 1..K
+    python -m benchmarks.predictor_table multirun/families --metric top3 nll
+
+Each run is named by its checkpoint's family; with several seeds per family the table shows
+mean +- standard deviation over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from models import read_checkpoint
+
+ORDER = ("markov", "graphsage", "rgcn", "intent_residual")
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    runs = []
+    for path in paths:
+        runs += [path] if (path / "metrics.json").is_file() else sorted(p.parent for p in path.glob("*/metrics.json"))
+    if not runs:
+        raise SystemExit(f"no metrics.json under {', '.join(map(str, paths))}")
+    return runs
+
+
+def cell(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories holding them")
+    parser.add_argument("--metric", nargs="+", default=["top1"], help="top1 top3 nll ece end_acc")
+    parser.add_argument("--split", default="test", choices=["val", "test"])
+    args = parser.parse_args()
+
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for run in find_runs(args.runs):
+        metrics = json.loads((run / "metrics.json").read_text())
+        by_family[read_checkpoint(metrics["checkpoint"])["family"]].append(metrics)
+    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "_k" in k)
+    columns = [(m, k) for m in args.metric for k in range(1, horizon + 1)]
+    print("| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
+        runs = by_family[family]
+        cells = [cell([r[f"{args.split}/{m}_k{k}"] for r in runs]) for m, k in columns]
+        print(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

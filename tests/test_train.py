@@ -1,0 +1,90 @@
+"""train.py end to end through Hydra, on tiny data (CPU, well under a minute)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from data import store
+from data.generators import Hover
+from models import WorkflowPrefix, load_predictor, read_checkpoint
+from models.training import metric_keys, train
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*treespec")
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = {"WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(ROOT / ".cache" / "huggingface"), "TOKENIZERS_PARALLELISM": "false"}
+TINY = ["model/text_encoder=hashing", "trainer.max_epochs=2", "datamodule.batch_size=64"]
+
+
+def run_train(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, **OFFLINE, "PBKV_DATA_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "hover"
+    store.save(store.build(Hover().generate(40, seed=1), val=0.2, test=0.2, seed=0), out)
+    return out
+
+
+def test_train_with_data_path_and_run_dir(dataset_dir, tmp_path):
+    run = tmp_path / "run"
+    run_train(["model=graphsage", f"data.path={dataset_dir}", f"hydra.run.dir={run}", "logger=csv", *TINY],
+              tmp_path)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert set(metrics) == set(metric_keys(3)) | {"checkpoint"}
+    assert all(isinstance(metrics[k], float) for k in metric_keys(3))
+    assert 0.0 <= metrics["test/top1_k1"] <= 1.0 and metrics["test/top3_k1"] >= metrics["test/top1_k1"]
+    predictor = load_predictor(metrics["checkpoint"], agents=["retriever", "summarizer", "verifier"])
+    probs = predictor.predict([WorkflowPrefix(["retriever", "summarizer"], "Verify the claim. Claim: X.")])
+    assert probs.shape == (1, 3, len(predictor.agent_names) + 1)
+    payload = read_checkpoint(metrics["checkpoint"])
+    assert payload["config"]["model"]["name"] == "graphsage" and payload["metrics"]["test/top1_k1"] == \
+        metrics["test/top1_k1"]
+    assert payload["init"]["text"]["encoder"]["kind"] == "hashing"
+    assert (run / "checkpoints" / "best.ckpt").is_file() and (run / "csv" / "metrics.csv").is_file()
+
+
+def test_multirun_all_families_with_wandb_offline(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_train(["-m", "model=graphsage,rgcn,markov,intent_residual", "data.source.n_workflows=30",
+               f"hydra.sweep.dir={sweep}", "logger=wandb", *TINY], tmp_path)
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.json").exists())
+    assert [p.name.split("_", 1)[1] for p in runs] == ["graphsage", "rgcn", "markov", "intent_residual"]
+    for run in runs:
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert Path(metrics["checkpoint"]).is_file()
+        (wandb_run,) = (run / "wandb").glob("offline-run-*")
+        assert (wandb_run / f"run-{wandb_run.name.rsplit('-', 1)[1]}.wandb").is_file()
+        config = yaml.safe_load((wandb_run / "files" / "run_config.yaml").read_text())
+        assert config["model"]["name"] == run.name.split("_", 1)[1]
+        logged = json.loads((wandb_run / "files" / "metrics.json").read_text())
+        assert logged["test/top1_k1"] == metrics["test/top1_k1"]
+
+
+def compose_train(overrides: list[str], run: Path):
+    paths = [f"trainer.default_root_dir={run}", f"callbacks.model_checkpoint.dirpath={run}/checkpoints"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, *paths, "logger=none"])
+
+
+def test_same_config_gives_same_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
+    overrides = ["model=intent_residual", "data.source.n_workflows=30", "callbacks.rich_progress_bar=null", *TINY]
+    first = train(compose_train(overrides, tmp_path / "a"), run_dir=tmp_path / "a")
+    second = train(compose_train(overrides, tmp_path / "b"), run_dir=tmp_path / "b")
+    keys = metric_keys(3)
+    assert [first[k] for k in keys] == [second[k] for k in keys]
