@@ -21,9 +21,12 @@ of `kv.layouts`, beside the unpruned baseline (layout none), under `kv.policy`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,21 +39,41 @@ from serving_integration.predictions import (ModelSource, NoisySource, PerfectSo
 from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
 
 log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
 POLICIES = ("lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle")
 ROW_KEYS = ("workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise")
 
 
-def learned_source(cfg: DictConfig, train_sequences: list[list[str]]):
-    """The predictor behind `pbkv`: a checkpoint, or a Markov predictor fitted on the train split."""
+def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
+    """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
+    recipe = {"family": cfg.predictor.train, "data": str(Path(dataset_path).resolve()), "seed": cfg.seed,
+              "horizon": cfg.pbkv.horizon}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    run = Path(cfg.predictor.cache_dir) / f"{cfg.predictor.train}-{key}"
+    if not (run / "predictor.pt").is_file():
+        log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
+        subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
+                        f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
+                        "logger=csv", f"hydra.run.dir={run.resolve()}"], cwd=REPO, check=True)
+    return run / "predictor.pt"
+
+
+def learned_source(cfg: DictConfig, train_sequences: list[list[str]], agents: list[str],
+                   dataset_path: Path | None = None):
+    """The predictor behind `pbkv`: predictor.checkpoint, else one train.py trains for
+    predictor.train=FAMILY, else a first-order Markov predictor fitted on the train split."""
     from models import load_predictor
     from models.markov import MarkovPredictor
 
-    if cfg.predictor.checkpoint:
-        predictor = load_predictor(cfg.predictor.checkpoint)
-        return ModelSource(predictor), {"checkpoint": str(cfg.predictor.checkpoint), "family": predictor.family,
-                                        "test_metrics": checkpoint_metrics(cfg.predictor.checkpoint)}
+    checkpoint = cfg.predictor.checkpoint
+    if not checkpoint and cfg.predictor.train:
+        checkpoint = trained_checkpoint(cfg, dataset_path)
+    if checkpoint:
+        predictor = load_predictor(checkpoint, agents=agents)  # a clear error if it does not fit the data
+        return ModelSource(predictor), {"checkpoint": str(checkpoint), "family": predictor.family,
+                                        "test_metrics": checkpoint_metrics(checkpoint)}
     names = vocabulary(a for seq in train_sequences for a in seq)
     index = {a: i for i, a in enumerate(names)}
     predictor = MarkovPredictor.from_sequences(names, cfg.pbkv.horizon, [[index[a] for a in s] for s in train_sequences],
@@ -97,7 +120,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
     setting = Setting(cfg, SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
                       instantiate(cfg.cost_model))
-    learned = learned_source(cfg, train_sequences) if "pbkv" in cfg.policies else None
+    learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
     rows = []
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
