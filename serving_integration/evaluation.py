@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,12 +52,19 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
     recipe = {"family": cfg.predictor.train, "data": str(Path(dataset_path).resolve()), "seed": cfg.seed,
               "horizon": cfg.pbkv.horizon}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    run = Path(cfg.predictor.cache_dir) / f"{cfg.predictor.train}-{key}"
+    run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
     if not (run / "predictor.pt").is_file():
+        # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
+        run.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{run.name}.", dir=run.parent))
         log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
         subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
                         f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                        "logger=csv", f"hydra.run.dir={run.resolve()}"], cwd=REPO, check=True)
+                        "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+        try:
+            tmp.rename(run)
+        except OSError:  # another job got there first; its checkpoint is the same recipe's
+            shutil.rmtree(tmp, ignore_errors=True)
     return run / "predictor.pt"
 
 
@@ -71,7 +79,8 @@ def learned_source(cfg: DictConfig, train_sequences: list[list[str]], agents: li
     if not checkpoint and cfg.predictor.train:
         checkpoint = trained_checkpoint(cfg, dataset_path)
     if checkpoint:
-        predictor = load_predictor(checkpoint, agents=agents)  # a clear error if it does not fit the data
+        # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
+        predictor = load_predictor(checkpoint, agents=agents, max_unknown=cfg.predictor.max_unknown)
         return ModelSource(predictor), {"checkpoint": str(checkpoint), "family": predictor.family,
                                         "test_metrics": checkpoint_metrics(checkpoint)}
     names = vocabulary(a for seq in train_sequences for a in seq)

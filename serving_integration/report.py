@@ -135,17 +135,17 @@ def best(rows, policy, base_policy, workloads, field, higher=True):
 
 
 def hit_rates_point(rows) -> str:
-    """LRU / lifecycle-only / PBKV hit rates of each setting that has all three."""
-    out = []
+    """LRU / lifecycle-only / PBKV hit rates where PBKV gains most over LRU (dynamic workloads)."""
     by_setting = defaultdict(dict)
     for r in rows:
-        if is_main(r) and r["prefetch"] == "none":
+        if is_main(r) and r["prefetch"] == "none" and r["workload"].split("-")[0] in DYNAMIC:
             by_setting[setting_of(r)].setdefault(r["policy"], r["hit_rate"])
-    for key, hits in by_setting.items():
-        if {"lru", "pbkv_lae", "pbkv"} <= set(hits):
-            out.append(f"{key[0]}, gpu_tokens={key[2]}, C={key[3]}: LRU {hits['lru']:.1%}, lifecycle-only "
-                       f"{hits['pbkv_lae']:.1%}, PBKV {hits['pbkv']:.1%}")
-    return "; ".join(out) or "not in these runs"
+    full = {k: h for k, h in by_setting.items() if {"lru", "pbkv_lae", "pbkv"} <= set(h)}
+    if not full:
+        return "not in these runs"
+    key, hits = max(full.items(), key=lambda item: ratio(item[1]["pbkv"], item[1]["lru"]))
+    return (f"LRU {hits['lru']:.1%}, lifecycle-only {hits['pbkv_lae']:.1%}, PBKV {hits['pbkv']:.1%} "
+            f"({setting_title(key)})")
 
 
 def noise_claim(rows) -> str:
@@ -230,8 +230,7 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
         plt.close(fig)
         made.append((name, title))
 
-    for axis, xlabel in (("gpu_tokens", "GPU KV capacity (tokens)"), ("concurrency", "live workflows"),
-                         ("horizon", "horizon K"), ("gamma", "gamma")):
+    for axis, xlabel in (("gpu_tokens", "GPU KV capacity (tokens)"), ("concurrency", "live workflows")):
         others = [k for k in SETTING if k != axis]
         groups = defaultdict(lambda: defaultdict(list))
         for r in rows:
@@ -246,6 +245,16 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
                                        ("mean_workflow_latency_s", "mean workflow latency (s)", "latency")):
                 line_plot(f"{workload}_{axis}_{tag}_{len(made)}.png", f"{workload}: {ylabel} vs {axis}", xlabel,
                           {lab: [(x, r[field]) for x, r in pts] for lab, pts in series.items()}, ylabel)
+    lookahead = defaultdict(list)  # horizon x gamma, one line per gamma
+    for r in rows:
+        if is_main(r) and r["policy"] == "pbkv" and r["prefetch"] == "none":
+            lookahead[(r["workload"], r["gpu_tokens"], r["concurrency"], r["predictor"])].append(r)
+    for (workload, gpu, conc, predictor), group in lookahead.items():
+        if len({r["horizon"] for r in group}) > 1:
+            line_plot(f"{workload}_horizon_gamma_{len(made)}.png",
+                      f"{workload} (gpu_tokens={gpu}, C={conc}, {predictor}): PBKV hit rate vs K", "horizon K",
+                      {f"gamma={g}": [(r["horizon"], r["hit_rate"]) for r in group if r["gamma"] == g]
+                       for g in sorted({r["gamma"] for r in group})}, "GPU hit rate")
     return made
 
 
@@ -273,24 +282,27 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
 
     made = []
-    backbone = [r for r in rows if is_main(r) and r["policy"] in ("pbkv", "pbkv_perfect") and r["prefetch"] == "none"]
-    families = {}
-    for r in backbone:
-        families.setdefault((r["workload"], r["predictor"]), r["hit_rate"])
-    if len({p for _, p in families}) > 2:
+    by_setting = defaultdict(dict)  # setting -> predictor -> pbkv hit rate (no prefetch)
+    for r in rows:
+        if is_main(r) and r["policy"] in ("pbkv", "pbkv_perfect") and r["prefetch"] == "none":
+            by_setting[setting_of(r)].setdefault(r["predictor"], r["hit_rate"])
+    for key, hits in by_setting.items():
+        if len(hits) < 3:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4))
-        names = [f"{w}\n{p}" for w, p in families]
-        ax.bar(names, list(families.values()))
+        ax.bar(list(hits), list(hits.values()))
         ax.set_ylabel("GPU hit rate (pbkv)")
-        ax.set_title("PBKV by predictor backbone")
+        ax.set_title(f"PBKV by predictor backbone ({key[0]}, gpu_tokens={key[2]}, C={key[3]})", fontsize=10)
         fig.tight_layout()
-        fig.savefig(out / "backbones.png", dpi=110)
+        name = f"backbones_{key[0]}_{len(made)}.png"
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
-        made.append(("backbones.png", "PBKV by predictor backbone"))
+        made.append((name, "PBKV by predictor backbone"))
     kv = [r for r in rows if r["comparison"] == "kv"]
     if kv:
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.bar([f"{r['workload']}\n{r['layout']} {r['kv_budget']}" for r in kv], [r["prefix_hit_rate"] for r in kv])
+        ax.bar([f"{r['workload']}\n{r['layout']}" for r in kv], [r["prefix_hit_rate"] for r in kv])
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("prefix hit rate")
         ax.set_title("KV pruning: prefix-cache hits by layout")
         fig.tight_layout()

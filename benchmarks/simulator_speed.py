@@ -1,0 +1,79 @@
+"""Cost of the serving simulator per policy, and of one eviction as the tree grows.
+
+    python -m benchmarks.simulator_speed                    # hover, 1,000 workflows, every policy
+    python -m benchmarks.simulator_speed --workload swebench --gpu-tokens 300000
+
+Replays every workflow of a generated dataset (all splits) under each policy and prints wall
+time, simulated calls per second and the tree operations done; then times evict_gpu on trees of
+growing size, to show the per-eviction cost grows like log n (heap), not n (scan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from data.generators import WORKLOADS
+from serving_integration.cost_model import CostModel
+from serving_integration.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.radix import RadixTree
+from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
+
+H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
+                 peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
+
+
+def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int) -> None:
+    workflows = workflows_from_rows(WORKLOADS[workload]().generate(n, seed=0).calls)
+    sequences = [[c.agent for c in w.calls] for w in workflows]
+    names = vocabulary(a for s in sequences for a in s)
+    runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {},
+            "kvflow": {"predictions": StaticGraphSource(sequences, 3), "prefetch": "aggressive"},
+            "pbkv": {"predictions": PerfectSource(names, 3)},
+            "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
+            "oracle": {}}
+    calls = sum(len(w.calls) for w in workflows)
+    config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency)
+    print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}")
+    print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9}")
+    for label, kwargs in runs.items():
+        started = time.perf_counter()
+        row = simulate(workflows, config, H100, policy=label.split("+")[0], **kwargs)
+        wall = time.perf_counter() - started
+        print(f"{label:>18} {wall:8.2f} {calls / wall:9.0f} {row['hit_rate']:9.1%}")
+
+
+def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> None:
+    print("\nper-eviction cost of RadixTree.evict_gpu (LRU), microseconds, median of 5")
+    for size in sizes:
+        samples = []
+        for trial in range(5):
+            rng = random.Random(trial)
+            tree = RadixTree(gpu_tokens=10**12)
+            for i in range(size):  # branches of 3 nodes under shared prefixes
+                units = [rng.randrange(50), rng.randrange(50), i]
+                tree.private_gpu += 3
+                tree.insert(units, [1, 1, 1])
+                tree.private_gpu -= 3
+            started = time.perf_counter()
+            for _ in range(evictions):
+                tree.evict_gpu(1)
+            samples.append((time.perf_counter() - started) / evictions * 1e6)
+        print(f"  {size:>7} leaves: {statistics.median(samples):6.2f} us per eviction")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="hover", choices=sorted(WORKLOADS))
+    parser.add_argument("--n-workflows", type=int, default=1000)
+    parser.add_argument("--gpu-tokens", type=int, default=300_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency)
+    eviction_cost()
+
+
+if __name__ == "__main__":
+    main()

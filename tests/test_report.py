@@ -1,0 +1,64 @@
+"""The report command on real evaluate.py output, and the experiment configs."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from data.cli import CONF_DIR
+from tests.conftest import REPO
+
+EXPERIMENTS = ["memory", "concurrency", "horizon", "noise", "backbones", "who_and_when"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    done = subprocess.run(
+        [sys.executable, "evaluate.py", "-m", "sim.gpu_tokens=90000,200000", f"hydra.sweep.dir={root}",
+         f"data.cache_dir={root / 'cache'}", "data.source.n_workflows=40", "split=all", "sim.concurrency=8",
+         "wandb.enabled=false", "policies=[lru,kvflow,pbkv_lae,pbkv,oracle]", "hydra.launcher.n_jobs=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_report_numbers_come_from_the_rows(sweep, tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "serving_integration.report", str(sweep), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    md = (out / "report.md").read_text()
+    rows = [r for f in sorted(sweep.rglob("summary.json")) for r in json.loads(f.read_text())["rows"]]
+    for gpu in (90000, 200000):
+        by = {r["policy"]: r for r in rows if r["gpu_tokens"] == gpu}
+        section = md[md.index(f"gpu_tokens={gpu}, concurrency=8"):]
+        line = next(x for x in section.splitlines() if x.startswith("| pbkv |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == f"{by['pbkv']['hit_rate']:.1%}"
+        assert cells[2] == f"{by['pbkv']['hit_rate'] / by['lru']['hit_rate']:.2f}"
+        assert cells[3] == f"{by['pbkv']['hit_rate'] / by['kvflow']['hit_rate']:.2f}"
+    best = max(r["hit_rate"] / l["hit_rate"] for r in rows for l in rows
+               if r["policy"] == "pbkv" and l["policy"] == "lru" and r["gpu_tokens"] == l["gpu_tokens"])
+    assert re.search(rf"\| PBKV GPU hit rate vs LRU \| up to 2.55x .*\| {best:.2f}x", md)
+    plots = sorted(p.name for p in out.glob("*.png"))
+    assert any("gpu_tokens_hit" in p for p in plots) and all((out / p).stat().st_size > 10_000 for p in plots)
+    html = (out / "report.html").read_text()
+    assert "<table>" in html and all(f'src="{p}"' in html for p in plots)
+
+
+def test_report_without_runs_is_a_clear_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "serving_integration.report", str(tmp_path), "--out",
+                           str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "no summary.json" in done.stderr
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_configs_compose(name):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=[f"experiment={name}"], return_hydra_config=True)
+    assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params
+    assert set(cfg.policies) <= {"lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle"}
