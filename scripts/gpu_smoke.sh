@@ -3,7 +3,8 @@
 #
 # Needs: one NVIDIA GPU (any with >= 16 GB), Python 3.11 with the FULL sglang 0.5.23 install
 # (`pip install "sglang==0.5.23"`, which brings its CUDA torch) and this repository installed into
-# the same environment (`pip install --no-deps -e .` plus requirements.txt), so that the
+# the same environment (docs/serving.md section 2: `pip install --no-deps -e .` plus requirements.txt
+# without its torch pin), so that the
 # `sglang.srt.plugins` entry point exists. Nothing is downloaded: the model is a small Llama-shaped
 # config with random weights (--load-format dummy, --skip-tokenizer-init; the bench sends token ids).
 # Takes about 5-10 minutes: two server starts and two replays of ~400 calls.
