@@ -12,7 +12,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from data import store
 from data.errors import TraceValidationError
+from data.schema import Traces
+from data.stats import format_stats
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -33,3 +36,10 @@ def run_command(config_name: str, body: Callable[[DictConfig], None], argv: list
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def store_traces(name: str, traces: Traces, cfg: DictConfig) -> None:
+    """Split, save atomically to cfg.out, and print the dataset's statistics."""
+    ds = store.build(traces, **cfg.split)
+    store.save(ds, cfg.out, overwrite=cfg.overwrite)
+    print(format_stats(name, ds.meta["stats"]))

@@ -7,18 +7,13 @@ import time
 
 from hydra.utils import instantiate
 
-from data import store
-from data.cli import run_command
-from data.stats import format_stats
+from data.cli import run_command, store_traces
 
 
 def generate(cfg) -> None:
     started = time.perf_counter()
     workload = instantiate(cfg.workload)
-    traces = workload.generate(cfg.n_workflows, cfg.seed)
-    ds = store.build(traces, **cfg.split)
-    store.save(ds, cfg.out, overwrite=cfg.overwrite)
-    print(format_stats(workload.name, ds.meta["stats"]))
+    store_traces(workload.name, workload.generate(cfg.n_workflows, cfg.seed), cfg)
     print(f"wrote {cfg.out} in {time.perf_counter() - started:.2f}s")
 
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from data import store
-from data.cli import run_command
+from data.cli import run_command, store_traces
 from data.formats import read_chat, read_native
 from data.schema import Traces
-from data.stats import format_stats
 from data.tokenizer import TokenCounter
 from data.who_and_when import read_who_and_when
 
@@ -32,9 +30,7 @@ def import_traces(cfg) -> None:
         print(f"skipped {issue}", file=sys.stderr)
     if traces.skipped:
         print(f"skipped {len(traces.skipped)} invalid record(s)", file=sys.stderr)
-    ds = store.build(traces, **cfg.split)
-    store.save(ds, cfg.out, overwrite=cfg.overwrite)
-    print(format_stats(cfg.format, ds.meta["stats"]))
+    store_traces(cfg.format, traces, cfg)
     print(f"wrote {cfg.out}")
 
 
