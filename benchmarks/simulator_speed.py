@@ -33,7 +33,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int) -> No
             "kvflow": {"predictions": StaticGraphSource(sequences, 3), "prefetch": "aggressive"},
             "pbkv": {"predictions": PerfectSource(names, 3)},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
-            "oracle": {}}
+            "oracle": {"predictions": PerfectSource(names, 3)}}
     calls = sum(len(w.calls) for w in workflows)
     config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency)
     print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}")

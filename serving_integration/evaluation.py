@@ -10,10 +10,12 @@ the same workflows and seed. The policies (`policies=[...]`):
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
     pbkv_perfect      the same score fed the true future agents (a perfect predictor: a bound)
-    oracle            clairvoyant eviction by furthest next use of the real future (a bound)
+    oracle            clairvoyant eviction by furthest next use of the real future (a bound),
+                      prefetching for the true next calls
 
-`prefetch=[none,conservative,aggressive]` applies to pbkv and pbkv_perfect; `predictor.noise`
-mixes their predictions with random distributions.
+`prefetch=[none,conservative,aggressive]` applies to pbkv, pbkv_perfect and oracle (the paper's
+full PBKV is pbkv with conservative prefetch); `predictor.noise` mixes pbkv's predictions with
+random distributions.
 
 With `kv.budget=N`, IntentKV rows follow: every request pruned to N tokens by `kv.method` in each
 of `kv.layouts`, beside the unpruned baseline (layout none), under `kv.policy`.
@@ -114,6 +116,10 @@ def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
             for mode in cfg.prefetch:
                 noisy = NoisySource(source, cfg.predictor.noise, cfg.seed)
                 yield name, mode, label, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
+        elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
+            for mode in cfg.prefetch:
+                yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=cfg.pbkv.gamma,
+                                                  predictions=PerfectSource(agent_names, cfg.pbkv.horizon))
         else:
             options = dict(cfg.tlru) if name == "tlru" else {}
             yield name, "none", "none", dict(policy=name, policy_options=options)
@@ -264,12 +270,23 @@ def plot(rows: list[dict], run_dir: Path) -> list[Path]:
 
 
 def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:
+    """One W&B run per evaluate run: the table, the plots, and every row's metrics as summary
+    scalars named POLICY[+PREFETCH]/METRIC, so runs of a sweep compare side by side."""
     import wandb
 
-    run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
-                     group=cfg.data.name, config=summary["config"], reinit="finish_previous")
     rows = summary["rows"]
+    policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
+    name = f"{cfg.data.name}-{policies}-gpu{cfg.sim.gpu_tokens}-c{cfg.sim.concurrency}"
+    run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
+                     group=cfg.data.name, name=name, config=summary["config"], reinit="finish_previous")
     columns = list(rows[0])
     run.log({"summary": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows]),
              **{p.stem: wandb.Image(str(p)) for p in plots}})
+    for r in rows:
+        label = r["policy"] + ("" if r["prefetch"] == "none" else f"+{r['prefetch']}")
+        if r["comparison"] == "kv":
+            label = f"kv/{r['layout']}"
+        for metric in ("hit_rate", "prefix_hit_rate", "mean_workflow_latency_s", "p99_workflow_latency_s",
+                       "mean_ttft_s", "throughput_calls_per_s"):
+            run.summary[f"{label}/{metric}"] = r[metric]
     run.finish()

@@ -243,17 +243,21 @@ class KVFlow(_LedgerPolicy):
         self._inherited.pop(node.id, None)
 
 
-class Oracle(EvictionPolicy):
+class Oracle(_LedgerPolicy):
     """Clairvoyant (Belady): evict what is next used furthest in the future first. `next_use`
-    gives the distance, in calls, to the next call that reads the node (inf: never)."""
+    gives the distance, in calls, to the next call that reads the node (inf: never); among nodes
+    equally far, the PBKV score of the true future agents (the ledger is fed the perfect
+    predictor) keeps the more widely needed, then LRU."""
 
     name = "oracle"
+    uses_predictions = True
 
-    def __init__(self, next_use: Callable[[CacheNode], float]):
+    def __init__(self, ledger: WorkflowLedger, next_use: Callable[[CacheNode], float]):
+        super().__init__(ledger)
         self.next_use = next_use
 
     def priority(self, node):
-        return (-self.next_use(node), node.last_access_time)
+        return (-self.next_use(node), self.ledger.score(node.id), node.last_access_time)
 
 
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:
@@ -272,7 +276,7 @@ def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = N
     if name == "oracle":
         if next_use is None:
             raise ValueError("the oracle policy needs the real future (simulator only)")
-        return Oracle(next_use)
+        return Oracle(ledger, next_use)
     raise ValueError(f"unknown eviction policy '{name}'; choose from {', '.join(EVICTION_POLICIES)}")
 
 

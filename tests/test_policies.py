@@ -123,10 +123,15 @@ def test_kvflow_steps_to_execution_and_inheritance():
 
 def test_oracle_evicts_furthest_next_use():
     distance = {}
-    tree, (a, b, c) = tree_with(Oracle(lambda node: distance.get(node.id, math.inf)), "aa", "bb", "cc")
-    distance.update({a.id: 5, b.id: 1})
+    ledger = WorkflowLedger()
+    tree, (a, b, c, d) = tree_with(Oracle(ledger, lambda node: distance.get(node.id, math.inf)), "aa", "bb", "cc", "dd")
+    distance.update({a.id: 5, b.id: 1, d.id: 5})
+    ledger.start("w")
+    ledger.record_access(a.id, "w", "coder")
+    ledger.set_predictions(["w"], AGENTS, one_hot("coder", "END", "END")[None])
     tree.refresh_many(tree.nodes())
-    assert eviction_order(tree) == ["cc", "aa", "bb"]
+    # never used again first; of two used equally far ahead, the one with the lower score
+    assert eviction_order(tree) == ["cc", "dd", "aa", "bb"]
 
 
 def test_prefetch_modes():

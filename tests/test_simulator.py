@@ -88,7 +88,7 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page)
         source = StaticGraphSource([[c.agent for c in w.calls] for w in workflows], 3)
     else:
         source = PerfectSource(names, 3)
-    uses = policy in ("pbkv", "kvflow") or prefetch != "none"
+    uses = policy in ("pbkv", "kvflow", "oracle") or prefetch != "none"
     sim = AuditedSimulator(workflows, SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page), H100,
                            policy=policy, prefetch=prefetch, predictions=source if uses else None)
     counters = sim.run()
@@ -123,7 +123,9 @@ def test_more_memory_helps_lru_and_the_oracle_beats_it():
     workflows = small_workload("hover", 60, 2)
     small = simulate(workflows, SimConfig(gpu_tokens=80_000, concurrency=16), H100, policy="lru")
     large = simulate(workflows, SimConfig(gpu_tokens=1_000_000, concurrency=16), H100, policy="lru")
-    oracle = simulate(workflows, SimConfig(gpu_tokens=80_000, concurrency=16), H100, policy="oracle")
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    oracle = simulate(workflows, SimConfig(gpu_tokens=80_000, concurrency=16), H100, policy="oracle",
+                      predictions=PerfectSource(names, 3))
     assert large["hit_rate"] > small["hit_rate"]
     assert oracle["hit_rate"] >= small["hit_rate"]
     assert large["recomputed_tokens"] == 0  # nothing is ever evicted
