@@ -324,6 +324,15 @@ def kv_table(rows) -> str:
 
 # -------------------------------------------------------------------- main
 
+def sources(files: list[Path]) -> str:
+    """The run folders read: one line per sweep (parent folder), with its count of runs."""
+    folders = defaultdict(int)
+    for f in files:
+        parent = f.parent.parent if f.parent.name.isdigit() else f.parent
+        folders[parent] += 1
+    return "\n".join(f"- `{folder}` ({n} run{'s' if n > 1 else ''})" for folder, n in folders.items())
+
+
 def build(paths: list[str], out: Path) -> Path:
     rows, files = load_rows(paths)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +342,7 @@ def build(paths: list[str], out: Path) -> Path:
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
         md = "\n\n".join([
             "# PBKV report",
-            f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + "\n".join(f"- `{f}`" for f in files),
+            f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
             "## The paper's claims beside ours", claims_table(rows),
             "## Prediction noise: regret and its linear fit", regret_md,
             "## KV pruning (IntentKV)", kv_table(rows),
