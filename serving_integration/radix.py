@@ -191,11 +191,11 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match(self, units: Sequence, lens: Sequence[int], split: bool = True) -> list[Node]:
+    def match(self, units: Sequence, lens: Sequence[int]) -> list[Node]:
         """Longest cached prefix: the path of nodes (GPU nodes, then host-only nodes).
 
         Marks the path accessed (LRU time). A match that ends inside a node splits it, as
-        SGLang does, unless `split` is False (then the partly matched node is left off)."""
+        SGLang does."""
         now = self.tick()
         self.root.last_access_time = now
         node, i, path = self.root, 0, []
@@ -204,11 +204,7 @@ class RadixTree:
             child.last_access_time = now
             n = _common(child.units, units, i)
             if n < len(child.units):
-                if not split:
-                    self.refresh(child)
-                    break
-                child = self._split(child, n)
-                path.append(child)
+                path.append(self._split(child, n))
                 break
             path.append(child)
             self.refresh(child)

@@ -21,7 +21,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "unlock", "evict", 
                          st.integers(1, 30)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True)  # the same examples in every run (CI)
 @given(ops=ops, gpu=st.integers(20, 60), host=st.integers(0, 80))
 def test_tree_invariants_under_random_operations(ops, gpu, host):
     tree = RadixTree(gpu, host)
@@ -76,7 +76,7 @@ def small_workload(kind, n, seed):
     return workflows_from_rows(traces.calls)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["hover", "swebench"]), seed=st.integers(0, 1000),
        gpu=st.integers(70_000, 200_000), concurrency=st.integers(1, 12),
        policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "oracle"]),
@@ -84,6 +84,7 @@ def small_workload(kind, n, seed):
 def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page):
     workflows = small_workload(kind, 12, seed)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
+    gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))  # every call fits
     if policy == "kvflow":
         source = StaticGraphSource([[c.agent for c in w.calls] for w in workflows], 3)
     else:
