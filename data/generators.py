@@ -269,18 +269,21 @@ _RATIOS = ["quick", "current", "debt-to-equity", "gross margin", "inventory turn
 
 class FinanceBench(Workload):
     """Financial QA (FinanceBench + CrewAI): a fixed pipeline retriever -> analyst -> calculator ->
-    writer for every workflow (the static workload).
+    writer for every workflow (the static workload). As CrewAI agents do, each agent works its task
+    in a ReAct loop of a fixed number of LLM calls (`react_steps`), each after a tool's result:
+    the retriever searches the filing three times, the calculator runs code twice.
 
     Latent: question type (lookup / ratio / trend), visible in the question; it changes the size of
     the retrieved filing excerpts and outputs, never the path.
     """
 
     name = "financebench"
-    _filing_median = {"lookup": 4000, "ratio": 7000, "trend": 12000}
+    _filing_median = {"lookup": 2000, "ratio": 3500, "trend": 6000}
 
-    def __init__(self, type_probs=None, retrieval_seconds=1.5, system_prompt_tokens=None):
+    def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None):
         self.type_probs = type_probs or {"lookup": 0.4, "ratio": 0.35, "trend": 0.25}
         self.retrieval_seconds = retrieval_seconds
+        self.react_steps = react_steps or {"retriever": 3, "analyst": 1, "calculator": 2, "writer": 1}
         self.system_prompt_tokens = system_prompt_tokens or {
             "retriever": 700, "analyst": 1600, "calculator": 900, "writer": 1000}
 
@@ -299,13 +302,17 @@ class FinanceBench(Workload):
 
     def run(self, wf, rng):
         kind = wf.latent["question_type"]
-        wf.call("retriever", draw_tokens(rng, 120, 0.4, 20, 500),
-                Tool(draw_tokens(rng, self._filing_median[kind], 0.4, 800, 40_000),
-                     draw_seconds(rng, self.retrieval_seconds)))
-        wf.call("analyst", draw_tokens(rng, 450 if kind == "trend" else 300, 0.4, 50, 2000))
-        wf.call("calculator", draw_tokens(rng, 150, 0.4, 20, 800),
-                Tool(draw_tokens(rng, 120, 0.5, 10, 800), draw_seconds(rng, 0.3)))
-        wf.call("writer", draw_tokens(rng, 250, 0.4, 40, 1200))
+        for _ in range(self.react_steps["retriever"]):
+            wf.call("retriever", draw_tokens(rng, 120, 0.4, 20, 500),
+                    Tool(draw_tokens(rng, self._filing_median[kind], 0.4, 500, 30_000),
+                         draw_seconds(rng, self.retrieval_seconds)))
+        for _ in range(self.react_steps["analyst"]):
+            wf.call("analyst", draw_tokens(rng, 450 if kind == "trend" else 300, 0.4, 50, 2000))
+        for _ in range(self.react_steps["calculator"]):
+            wf.call("calculator", draw_tokens(rng, 150, 0.4, 20, 800),
+                    Tool(draw_tokens(rng, 120, 0.5, 10, 800), draw_seconds(rng, 0.3)))
+        for _ in range(self.react_steps["writer"]):
+            wf.call("writer", draw_tokens(rng, 250, 0.4, 40, 1200))
 
 
 WORKLOADS = {w.name: w for w in (Hover, SweBench, FinanceBench)}
