@@ -119,15 +119,17 @@ def setting_tables(rows: list[dict]) -> str:
 
 
 def best(rows, policy, base_policy, workloads, field, higher=True):
-    """The largest ratio of `policy` over `base_policy` on the same setting, and where."""
+    """The largest ratio of `policy` (its best prefetch mode: the paper's PBKV prefetches
+    conservatively) over `base_policy` on the same setting, and where."""
     found = None
-    by_setting = defaultdict(dict)
+    by_setting = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if is_main(r) and r["workload"].split("-")[0] in workloads and r["prefetch"] in ("none", "aggressive"):
-            by_setting[setting_of(r)].setdefault(r["policy"], r)
+        if is_main(r) and r["workload"].split("-")[0] in workloads:
+            by_setting[setting_of(r)][r["policy"]].append(r[field])
     for key, policies in by_setting.items():
         if policy in policies and base_policy in policies:
-            a, b = policies[policy][field], policies[base_policy][field]
+            pick = max if higher else min
+            a, b = pick(policies[policy]), pick(policies[base_policy])
             value = ratio(a, b) if higher else ratio(b, a)
             if found is None or value > found[0]:
                 found = (value, key)

@@ -32,7 +32,7 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     assert [(r["policy"], r["prefetch"]) for r in rows] == [
         ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"),
         ("pbkv", "none"), ("pbkv", "conservative"), ("pbkv_perfect", "none"), ("pbkv_perfect", "conservative"),
-        ("oracle", "none")]
+        ("oracle", "none"), ("oracle", "conservative")]
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
