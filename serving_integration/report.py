@@ -22,7 +22,8 @@ import numpy as np
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
-SETTING = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+# rows compare only within one setting: the same replayed workflows under the same sizes
+SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
 
 # design.md section 5 (PBKV, arXiv 2605.06472): shape to compare against, not absolute values
 PAPER = {
@@ -294,7 +295,9 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.bar(list(hits), list(hits.values()))
         ax.set_ylabel("GPU hit rate (pbkv)")
-        ax.set_title(f"PBKV by predictor backbone ({key[0]}, gpu_tokens={key[2]}, C={key[3]})", fontsize=10)
+        at = dict(zip(SETTING, key))
+        ax.set_title(f"PBKV by predictor backbone ({at['workload']}, gpu_tokens={at['gpu_tokens']}, "
+                     f"C={at['concurrency']})", fontsize=10)
         fig.tight_layout()
         name = f"backbones_{key[0]}_{len(made)}.png"
         fig.savefig(out / name, dpi=110)
