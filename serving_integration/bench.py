@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from serving_integration.metrics import replay_metrics
 from serving_integration.workflow_tags import WorkflowTag, custom_params_for, kv_hints_for
 
 CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
@@ -283,28 +284,19 @@ class ClosedLoopReplay:
 # -------------------------------------------------------------------- results
 
 
-def _percentile(values, q) -> float:
-    return float(np.percentile(values, q)) if len(values) else 0.0
-
-
 def summarize(replay: ClosedLoopReplay, labels: dict) -> dict:
     """One row in evaluate.py's summary.json schema (serving_integration.evaluation)."""
     ok = [r for r in replay.results if r.ok]
-    prompt = sum(r.prompt_tokens for r in ok)
-    gpu, host = sum(r.device_tokens for r in ok), sum(r.host_tokens for r in ok)
-    latencies = list(replay.workflow_latencies.values())
     ttfts = [r.ttft_s for r in ok if not math.isnan(r.ttft_s)]
     return {
         "comparison": "policies", **labels,
         "workflows": len(replay.workflows), "calls": len(replay.results), "failed_calls": len(replay.results) - len(ok),
-        "hit_rate": gpu / prompt if prompt else 0.0,
-        "gpu_hit_tokens": gpu, "host_hit_tokens": host, "miss_tokens": prompt - gpu - host, "prompt_tokens": prompt,
-        "prefix_hit_rate": (gpu + host) / prompt if prompt else 0.0,
-        "mean_workflow_latency_s": float(np.mean(latencies)) if latencies else 0.0,
-        "p50_workflow_latency_s": _percentile(latencies, 50), "p99_workflow_latency_s": _percentile(latencies, 99),
-        "mean_ttft_s": float(np.mean(ttfts)) if ttfts else 0.0, "p99_ttft_s": _percentile(ttfts, 99),
+        **replay_metrics(gpu_hit_tokens=sum(r.device_tokens for r in ok), host_hit_tokens=sum(r.host_tokens for r in ok),
+                         prompt_tokens=sum(r.prompt_tokens for r in ok),
+                         workflow_latencies=list(replay.workflow_latencies.values()), ttfts=ttfts, calls=len(ok),
+                         makespan_s=replay.makespan_s),
+        "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else 0.0,
         "mean_call_latency_s": float(np.mean([r.latency_s for r in ok])) if ok else 0.0,
-        "throughput_calls_per_s": len(ok) / replay.makespan_s if replay.makespan_s > 0 else 0.0,
         "makespan_s": replay.makespan_s,
     }
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving_integration.cost_model import CostModel
+from serving_integration.metrics import replay_metrics
 from serving_integration.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.predictions import PredictionSource
 from serving_integration.radix import ROOT_KEY, Node, RadixTree, chain
@@ -460,22 +461,13 @@ class Simulator:
 
 def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     c = counters
-    lat = np.asarray(c.latencies) if c.latencies else np.zeros(1)
     return {
-        "hit_rate": c.gpu_hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-        "gpu_hit_tokens": c.gpu_hit_tokens,
-        "host_hit_tokens": c.host_hit_tokens,
-        "miss_tokens": c.miss_tokens,
+        **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
+                         prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
+                         calls=n_calls, makespan_s=makespan),
         "recomputed_tokens": c.recomputed_tokens,
-        "prompt_tokens": c.prompt_tokens,
-        "mean_workflow_latency_s": float(lat.mean()),
-        "p50_workflow_latency_s": float(np.percentile(lat, 50)),
-        "p99_workflow_latency_s": float(np.percentile(lat, 99)),
-        "mean_ttft_s": float(np.mean(c.ttfts)) if c.ttfts else 0.0,
-        "throughput_calls_per_s": n_calls / makespan if makespan > 0 else 0.0,
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
-        "prefix_hit_rate": (c.gpu_hit_tokens + c.host_hit_tokens) / c.prompt_tokens if c.prompt_tokens else 0.0,
         "kv_tokens_read": c.kv_tokens_read,
         "predictor_calls": c.predictor_calls,
     }
