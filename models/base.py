@@ -79,6 +79,11 @@ def survival(probs: Tensor) -> Tensor:
     return torch.cat([ones, alive[..., :-1]], dim=-1).cumprod(dim=-1)
 
 
+def vocabulary(agents) -> list[str]:
+    """The agent vocabulary of a set of agents: "<unk>" first, then the agents sorted."""
+    return [UNK] + sorted(set(agents) - {UNK})
+
+
 def check_agent_names(agent_names: Sequence[str]) -> list[str]:
     names = list(agent_names)
     if not names or names[0] != UNK:

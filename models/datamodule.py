@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from data import store
 from data.schema import SPLITS
-from models.base import IGNORE_INDEX, UNK, UNK_ID
+from models.base import IGNORE_INDEX, UNK_ID, vocabulary
 from models.graph import CallGraph
 from models.text import TextSpec
 
@@ -96,7 +96,7 @@ class TraceDataModule(pl.LightningDataModule):
         workflows = {split: workflows_of(self.dataset.calls[split]) for split in SPLITS}
         if not workflows["train"]:
             raise ValueError("the training split has no workflows")
-        agent_names = [UNK] + sorted({a for wf in workflows["train"] for a in wf.agents})
+        agent_names = vocabulary(a for wf in workflows["train"] for a in wf.agents)
         index = {name: i for i, name in enumerate(agent_names)}
         sequences = [[index[a] for a in wf.agents] for wf in workflows["train"]]
         text = text_source_of(workflows["train"], self.text_source, self.text_encoder)

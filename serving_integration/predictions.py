@@ -10,7 +10,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from models.base import UNK, WorkflowPrefix
+from models.base import WorkflowPrefix, vocabulary
 
 
 class LiveWorkflow(Protocol):
@@ -38,10 +38,6 @@ class ModelSource:
 
     def predict(self, workflows):
         return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
-
-
-def vocabulary(agents) -> list[str]:
-    return [UNK] + sorted(set(agents) - {UNK})
 
 
 def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horizon: int) -> torch.Tensor:
