@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from models import intentkv
-from serving_integration.radix import ROOT_KEY, chain
+from serving_integration.radix import prefix_keys
 from serving_integration.simulator import SimCall, SimWorkflow
 
 LAYOUTS = ("compaction", "sentinel")
@@ -134,10 +134,6 @@ def prune_workflows(workflows: list[SimWorkflow], method: str, budget: int, layo
             else:  # the key is the full sequence; dropped positions hold no KV
                 units = tuple(c.id for c in flat)
                 lens = tuple(c.tokens if k else 0 for c, k in zip(flat, keep))
-            keys, key = [], ROOT_KEY
-            for unit in units:
-                key = chain(key, unit)
-                keys.append(key)
-            calls.append(replace(call, units=units, lens=lens, keys=tuple(keys), output_unit=output[0].id))
+            calls.append(replace(call, units=units, lens=lens, keys=prefix_keys(units), output_unit=output[0].id))
         out.append(SimWorkflow(w.id, w.order, w.task, calls))
     return out

@@ -36,6 +36,15 @@ def chain(key: int, unit: Hashable) -> int:
     return hash((key, unit))
 
 
+def prefix_keys(units: Sequence, start: int = ROOT_KEY) -> tuple[int, ...]:
+    """The identity of every prefix of `units` (after each unit), continuing from `start`."""
+    keys, key = [], start
+    for unit in units:
+        key = chain(key, unit)
+        keys.append(key)
+    return tuple(keys)
+
+
 class Node:
     __slots__ = ("id", "parent", "children", "units", "lens", "num_tokens", "on_gpu", "on_host",
                  "lock_ref", "gpu_children", "last_access_time", "hit_count", "key_id", "end_key",
@@ -131,10 +140,8 @@ class RadixTree:
         node.last_access_time = self.tick()
         node.depth_tokens = parent.depth_tokens + node.num_tokens
         node.max_depth_tokens = node.depth_tokens
-        node.key_id = chain(parent.end_key, units[0])
-        node.end_key = node.key_id
-        for unit in units[1:]:
-            node.end_key = chain(node.end_key, unit)
+        keys = prefix_keys(units, parent.end_key)
+        node.key_id, node.end_key = keys[0], keys[-1]
         self.by_key[node.key_id] = node
         self.by_id[node.id] = node
         parent.children[units[0]] = node
@@ -153,9 +160,7 @@ class RadixTree:
             setattr(prefix, attr, getattr(node, attr))
         prefix.depth_tokens = parent.depth_tokens + prefix.num_tokens
         prefix.key_id = node.key_id
-        prefix.end_key = prefix.key_id
-        for unit in prefix.units[1:]:
-            prefix.end_key = chain(prefix.end_key, unit)
+        prefix.end_key = prefix_keys(prefix.units, parent.end_key)[-1]
         node.units, node.lens = node.units[at:], node.lens[at:]
         node.num_tokens -= prefix.num_tokens
         node.parent = prefix

@@ -32,7 +32,7 @@ from serving_integration.cost_model import CostModel
 from serving_integration.metrics import replay_metrics
 from serving_integration.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.predictions import PredictionSource
-from serving_integration.radix import ROOT_KEY, Node, RadixTree, chain
+from serving_integration.radix import Node, RadixTree, chain, prefix_keys
 
 
 @dataclass(frozen=True)
@@ -94,12 +94,8 @@ def workflows_from_rows(rows: list[dict]) -> list[SimWorkflow]:
         if wf is None:
             wf = workflows[row["workflow_id"]] = SimWorkflow(row["workflow_id"], len(workflows), row["task"], [])
         units = tuple(row["prompt_ids"])
-        keys, key = [], ROOT_KEY
-        for unit in units:
-            key = chain(key, unit)
-            keys.append(key)
         wf.calls.append(SimCall(
-            agent=row["agent"], units=units, lens=tuple(row["prompt_segment_tokens"]), keys=tuple(keys),
+            agent=row["agent"], units=units, lens=tuple(row["prompt_segment_tokens"]), keys=prefix_keys(units),
             output_unit=row["output_id"] or f"{row['workflow_id']}/output/{row['step']}",
             output_tokens=row["output_tokens"], tool_time=row["tool_time"] if wf.calls else 0.0,
             hidden=row["hidden"] or None))
@@ -298,13 +294,13 @@ class Simulator:
                 tree.unlock(path[-1])
             return False
         tree.load_back(path)
-        tree.private_gpu += miss + call.output_tokens
+        r.private = miss + call.output_tokens
+        tree.private_gpu += r.private
         for node in path:
             self.ledger.record_access(node.id, r.wf.id, call.agent)
             if node.id in self.prefetched:  # prefetched, and read before it was evicted
                 self.counters.prefetch_used_tokens += self.prefetched.pop(node.id)
         r.last_node = path[-1] if path else None
-        r.private = miss + call.output_tokens
         page = self.config.page_size
         r.gpu_hit = gpu_hit // page * page  # only whole pages are reused
         r.host_hit = (gpu_hit + host_hit) // page * page - r.gpu_hit
@@ -312,16 +308,15 @@ class Simulator:
         r.host_load = r.host_hit
         r.prefill_left = max(r.miss, 1)  # the last prompt token is always recomputed
         r.context = call.prompt_tokens - r.prefill_left
-        self._count_admission(r, path)
+        self._count_admission(r, matched)
         return True
 
-    def _count_admission(self, r: Request, path: list[Node]) -> None:
+    def _count_admission(self, r: Request, matched_units: int) -> None:
         c = self.counters
         c.prompt_tokens += r.call.prompt_tokens
         c.gpu_hit_tokens += r.gpu_hit
         c.host_hit_tokens += r.host_hit
         c.miss_tokens += r.miss
-        matched_units = sum(len(n.units) for n in path)
         c.recomputed_tokens += sum(n for key, n in zip(r.call.keys[matched_units:], r.call.lens[matched_units:])
                                    if key in self.ever_cached)
 
