@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from data.atomic import atomic_file
 from data.errors import Issue, TraceValidationError
 from data.schema import SegmentTable, Traces, call_record
 from data.tokenizer import TokenCounter
@@ -278,17 +278,10 @@ def _chat_row(rec: ChatCall, rank: int, segments: SegmentTable, last: bool) -> d
 
 
 def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> None:
-    """Write JSON Lines to a temporary file beside `path`, then rename it into place."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON Lines all at once (data.atomic)."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 def _optional(out: dict, **fields) -> dict:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from datasets.utils import disable_progress_bars
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from data.atomic import atomic_dir
 from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
 from data.stats import trace_stats
 
@@ -94,9 +93,7 @@ def save(ds: TraceDataset, out: str | Path, overwrite: bool = False) -> Path:
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=true to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         ds.calls.save_to_disk(str(tmp / "calls"))
         ds.segments.save_to_disk(str(tmp / "segments"))
         (tmp / "parquet").mkdir()
@@ -104,16 +101,6 @@ def save(ds: TraceDataset, out: str | Path, overwrite: bool = False) -> Path:
             ds.calls[split].to_parquet(str(tmp / "parquet" / f"{split}.parquet"))
         ds.segments.to_parquet(str(tmp / "parquet" / "segments.parquet"))
         (tmp / "meta.json").write_text(json.dumps(ds.meta, indent=2, sort_keys=True))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     ds.path = out
     return out
 

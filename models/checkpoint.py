@@ -20,13 +20,12 @@ A checkpoint is one ``torch.save`` file holding only plain values and tensors (i
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from data.atomic import atomic_file
 from models.base import UNK, Predictor
 from models.graphsage import GraphSAGEPredictor, RGCNPredictor
 from models.intent import IntentResidualPredictor
@@ -58,14 +57,8 @@ def save_predictor(predictor: Predictor, path: str | Path, config: dict | None =
         "state_dict": {k: v.detach().cpu() for k, v in predictor.state_dict().items()},
         "config": config or {}, "metrics": metrics or {}, "training": training or {},
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         torch.save(payload, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

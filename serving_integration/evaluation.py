@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import store
+from data.atomic import atomic_file
 from serving_integration.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
                                              vocabulary)
 from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
@@ -174,10 +174,8 @@ class Setting:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2))
 
 
 # -------------------------------------------------------------------- presentation

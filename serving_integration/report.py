@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from data.atomic import atomic_dir
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
@@ -340,9 +340,7 @@ def sources(files: list[Path]) -> str:
 
 def build(paths: list[str], out: Path) -> Path:
     rows, files = load_rows(paths)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         regret_md, fits = regret_fit(rows)
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
         md = "\n\n".join([
@@ -362,12 +360,6 @@ def build(paths: list[str], out: Path) -> Path:
             "<!doctype html><meta charset='utf-8'><title>PBKV report</title><style>body{font-family:sans-serif;"
             "max-width:1100px;margin:auto}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;"
             "padding:3px 6px}img{max-width:100%}</style>\n" + html)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out / "report.md"
 
 

@@ -20,18 +20,16 @@ import concurrent.futures
 import json
 import logging
 import math
-import os
 import queue
-import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from data.atomic import atomic_file
 from serving_integration.policies import LifecycleLRU, Prefetch, WorkflowLedger, make_policy
 from serving_integration.predictions import PredictionSource
 from serving_integration.workflow_tags import BadTag, WorkflowTag, tag_of_request
@@ -419,12 +417,8 @@ class WorkflowRuntime:
             return
         self._stats_written = now
         try:
-            target = Path(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.snapshot(), f, indent=2)
-            os.replace(tmp, target)
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(self.snapshot(), indent=2))
         except OSError as e:
             self.stats.count("stats_write_errors")
             log.warning("PBKV: cannot write stats to %s: %s", path, e)
