@@ -42,7 +42,7 @@ demo: setup
 	@$(PY) evaluate.py data.path=$(DEMO_DIR)/data/hover predictor.checkpoint=$(DEMO_DIR)/train/graphsage/predictor.pt \
 	  "prefetch=[none,conservative]" hydra.run.dir=$(DEMO_DIR)/evaluate
 	@echo "== 5/5 build the report"
-	@$(PY) -m serving_integration.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
+	@$(PY) -m serving_integration.experiments.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
 
 test: setup
 	$(PY) -m pytest

@@ -6,7 +6,7 @@
     python evaluate.py -m sim.gpu_tokens=150000,300000,600000
 
 Writes summary.json, hit_rate.png and latency.png to the run directory, prints the table and logs
-both to W&B (offline unless WANDB_MODE says otherwise). Logic: serving_integration/evaluation.py.
+both to W&B (offline unless WANDB_MODE says otherwise). Logic: serving_integration/experiments/evaluation.py.
 """
 
 import logging
@@ -16,7 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from serving_integration.evaluation import evaluate, format_table, log_wandb, plot
+from serving_integration.experiments.evaluation import evaluate
+from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
 log = logging.getLogger(__name__)
 

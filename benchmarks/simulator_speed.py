@@ -16,10 +16,11 @@ import statistics
 import time
 
 from data.generators import WORKLOADS
-from serving_integration.cost_model import CostModel
-from serving_integration.predictions import PerfectSource, StaticGraphSource, vocabulary
-from serving_integration.radix import RadixTree
-from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
+from serving_integration.simulator.cost_model import CostModel
+from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.simulator.radix import RadixTree
+from serving_integration.cache.workload import workflows_from_rows
+from serving_integration.simulator.engine import SimConfig, simulate
 
 H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)

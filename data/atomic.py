@@ -3,6 +3,7 @@ removed on any failure. One mechanism for every file and folder the project writ
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -44,3 +45,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2))

@@ -58,8 +58,8 @@ import sys
 from data import store
 from models import save_predictor
 from models.markov import MarkovPredictor
-from serving_integration.predictions import vocabulary
-from serving_integration.simulator import workflows_from_rows
+from serving_integration.cache.predictions import vocabulary
+from serving_integration.simulator.engine import workflows_from_rows
 sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(store.load(sys.argv[1]).rows("train"))]
 names = vocabulary(a for s in sequences for a in s)
 index = {a: i for i, a in enumerate(names)}
@@ -76,7 +76,7 @@ for policy in $POLICIES; do
   extra=()
   [ "$policy" = pbkv ] && extra=(--checkpoint "$RUN/train/predictor.pt")
   [ "$policy" = kvflow ] && extra=(--step-graph-traces "$RUN/train_data")
-  "$PY" -m serving_integration.launch --model-path "$RUN/model" --policy "$policy" --port "$PORT" \
+  "$PY" -m serving_integration.server.launch --model-path "$RUN/model" --policy "$policy" --port "$PORT" \
       --stats-path "$RUN/stats_$policy.json" "${extra[@]}" -- \
       --load-format dummy --skip-tokenizer-init --max-total-tokens "$GPU_TOKENS" --context-length 32768 \
       --mem-fraction-static 0.6 --cuda-graph-max-bs "$CONCURRENCY" --log-level warning \
@@ -88,7 +88,7 @@ for policy in $POLICIES; do
     sleep 2
   done
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server ($policy) not ready after 10 min"; exit 1; }
-  "$PY" -m serving_integration.bench --url "http://127.0.0.1:$PORT" --data "$RUN/data" --split all \
+  "$PY" -m serving_integration.experiments.bench --url "http://127.0.0.1:$PORT" --data "$RUN/data" --split all \
       --concurrency "$CONCURRENCY" --tool-time-scale "$TOOL_TIME_SCALE" --token-range 1000 30000 \
       --policy "$policy" --out "$RUN/bench" --append
   stop_server
@@ -97,7 +97,7 @@ done
 echo "== rows ($RUN/bench/summary.json)"
 "$PY" - "$RUN/bench/summary.json" <<'EOF'
 import json, sys
-from serving_integration.evaluation import format_table
+from serving_integration.experiments.evaluation import format_table
 rows = json.load(open(sys.argv[1]))["rows"]
 print(format_table(rows))
 for r in rows:

@@ -1,4 +1,4 @@
-"""The benchmark client (`python -m serving_integration.bench`) against a local HTTP server that
+"""The benchmark client (`python -m serving_integration.experiments.bench`) against a local HTTP server that
 answers in SGLang's /generate schema (streamed SSE chunks and plain JSON, meta_info with
 cached_tokens and cached_tokens_details, /server_info with the plugin's state).
 
@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from data import store
-from serving_integration import bench
+from serving_integration.experiments import bench
 
 EVALUATE_ROW_KEYS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate",
                      "gpu_hit_tokens", "host_hit_tokens", "miss_tokens", "prompt_tokens",

@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.intentkv import (LAYOUTS, METHODS, SENTINEL_KEY, IntentKV, ResidualHead, apply_layout,
+from models.intentkv.pruning import (LAYOUTS, METHODS, SENTINEL_KEY, IntentKV, ResidualHead, apply_layout,
                              causal_attention, compact, encode_span, h2o_scores, rope_rotate, rule_scores,
                              scores_for, select_keep, sentinel_bias, sentinel_layout, slot_attention,
                              snapkv_scores, streaming_llm_scores, update_memory)
-from models.intentkv_data import capture_qkv, tiny_llama
+from models.intentkv.sessions import capture_qkv, tiny_llama
 
 T_HIST, S, SYS = 48, 8, 6
 ATOL = 1e-5

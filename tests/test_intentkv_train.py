@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from models.intentkv_data import (argument_words, build_examples, generate_session, generate_sessions, tiny_llama,
+from models.intentkv.sessions import (argument_words, build_examples, generate_session, generate_sessions, tiny_llama,
                                   tokenize_session, wordpiece_tokenizer)
 
 
@@ -57,7 +57,7 @@ def test_examples_carry_the_memory_and_slice_the_session(tokenizer):
 
 
 def test_training_run_writes_a_loadable_head(tmp_path):
-    from models.train_intentkv import load_residual_head, main, parse_config
+    from models.intentkv.train import load_residual_head, main, parse_config
 
     result = main(["steps=3", "n_train=3", "n_test=2", f"out={tmp_path}", "baselines=false"])
     assert set(result["metrics"]) == {"intent_rule", "intent_rule+residual"}

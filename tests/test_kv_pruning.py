@@ -3,8 +3,8 @@
 import pytest
 
 from data.generators import SweBench
-from serving_integration.kv_pruning import LAYOUTS, prune_workflows
-from serving_integration.simulator import workflows_from_rows
+from models.intentkv.replay import LAYOUTS, prune_workflows
+from serving_integration.cache.workload import workflows_from_rows
 
 
 @pytest.fixture(scope="module")

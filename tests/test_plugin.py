@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from serving_integration.sglang_compat import install_torchvision_guard
+from serving_integration.server.compat import install_torchvision_guard
 
 install_torchvision_guard()
 import sglang.srt.mem_cache.unified_cache.tree_core_registry as tree_core_registry  # noqa: E402
@@ -42,9 +42,9 @@ from sglang.srt.server_args import (ServerArgs, prepare_server_args,  # noqa: E4
 
 from models import save_predictor  # noqa: E402
 from models.markov import MarkovPredictor  # noqa: E402
-from serving_integration import launch, plugin  # noqa: E402
-from serving_integration.predictions import ModelSource  # noqa: E402
-from serving_integration.workflow_runtime import GuardedPredictor  # noqa: E402
+from serving_integration.server import launch, plugin  # noqa: E402
+from serving_integration.cache.predictions import ModelSource  # noqa: E402
+from serving_integration.server.runtime import GuardedPredictor  # noqa: E402
 
 AGENTS = ["<unk>", "a", "b"]
 
@@ -80,7 +80,7 @@ class Serving:
             disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.allocator, page_size=1,
             tree_components=(ComponentType.FULL,), eviction_policy=policy, eviction_policy_config=config,
             tree_core_backend="python"))  # our policies get pbkv_python whatever is asked; LRU gets SGLang's
-        self.runtime = self.cache.tree_core.eviction_strategy.runtime if policy in plugin.POLICY_NAMES else None
+        self.runtime = self.cache.tree_core.eviction_strategy.runtime if policy in plugin.PLUGIN_POLICIES else None
         self.paths: dict[str, set] = {}
         self._rid = 0
 
@@ -154,13 +154,13 @@ def three_workflows(serving):
 
 def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pbkv"]
-    assert ep.value == "serving_integration.plugin:register"
+    assert ep.value == "serving_integration.server.plugin:register"
     for name in ("pbkv", "pbkv_lae", "kvflow"):  # undo the module fixture's load_plugins, then load the entry point
         _EVICTION_POLICY_FACTORIES.pop(name)
         RADIX_EVICTION_POLICY_CHOICES.remove(name)
     ep.load()()  # what load_plugins does with it
     ep.load()()  # SGLang may load it in a process more than once
-    from serving_integration.sglang_policies import KVFlowStrategy, LifecycleLRUStrategy, PBKVStrategy
+    from serving_integration.server.strategies import KVFlowStrategy, LifecycleLRUStrategy, PBKVStrategy
 
     assert _EVICTION_POLICY_FACTORIES["pbkv"] is PBKVStrategy
     assert _EVICTION_POLICY_FACTORIES["pbkv_lae"] is LifecycleLRUStrategy

@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from serving_integration.policies import (KVFlow, LFU, LRU, PBKV, TLRU, LifecycleLRU, Oracle, Prefetch,
+from serving_integration.cache.policies import (KVFlow, LFU, LRU, PBKV, TLRU, LifecycleLRU, Oracle, Prefetch,
                                           WorkflowLedger, make_policy)
-from serving_integration.radix import RadixTree
+from serving_integration.simulator.radix import RadixTree
 
 AGENTS = ["<unk>", "coder", "planner", "tester"]  # END is index 4
 
@@ -46,7 +46,7 @@ def test_lru_and_lfu():
 
 
 def test_tlru_matches_sglangs_strategy():
-    from serving_integration.sglang_compat import install_torchvision_guard
+    from serving_integration.server.compat import install_torchvision_guard
 
     install_torchvision_guard()
     import sglang.srt.mem_cache.evict_policy as evict_policy

@@ -13,8 +13,8 @@ from array import array
 
 import pytest
 
-from serving_integration.radix import RadixTree
-from serving_integration.sglang_compat import install_torchvision_guard
+from serving_integration.simulator.radix import RadixTree
+from serving_integration.server.compat import install_torchvision_guard
 
 install_torchvision_guard()
 import sglang.srt.mem_cache.radix_cache as radix_cache  # noqa: E402  (the real package; CI installs it)

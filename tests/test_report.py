@@ -28,7 +28,7 @@ def sweep(tmp_path_factory):
 
 def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "serving_integration.report", str(sweep), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", str(sweep), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     md = (out / "report.md").read_text()
@@ -51,7 +51,7 @@ def test_report_numbers_come_from_the_rows(sweep, tmp_path):
 
 
 def test_report_without_runs_is_a_clear_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "serving_integration.report", str(tmp_path), "--out",
+    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", str(tmp_path), "--out",
                            str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "no summary.json" in done.stderr
 

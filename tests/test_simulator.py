@@ -8,10 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.generators import Hover, SweBench
-from serving_integration.cost_model import CostModel
-from serving_integration.predictions import PerfectSource, StaticGraphSource, vocabulary
-from serving_integration.radix import RadixTree, audit
-from serving_integration.simulator import SimConfig, Simulator, simulate, workflows_from_rows
+from serving_integration.simulator.cost_model import CostModel
+from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.simulator.radix import RadixTree, audit
+from serving_integration.cache.workload import workflows_from_rows
+from serving_integration.simulator.engine import SimConfig, Simulator, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -104,7 +105,7 @@ def test_same_input_same_summary():
     workflows = small_workload("hover", 40, 1)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     config = SimConfig(gpu_tokens=120_000, concurrency=8)
-    from serving_integration.predictions import NoisySource
+    from serving_integration.cache.predictions import NoisySource
 
     runs = [simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
                      predictions=NoisySource(PerfectSource(names, 3), 0.3, seed=5)) for _ in range(2)]

@@ -27,7 +27,7 @@ import functools
 import logging
 from collections import Counter
 
-from serving_integration.workflow_runtime import POLICY_NAMES
+from serving_integration.cache.policies import PLUGIN_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _registered = False
 def register() -> None:
     """The entry point. Idempotent: SGLang may call it more than once per process."""
     global _registered
-    from serving_integration.sglang_compat import install_torchvision_guard
+    from serving_integration.server.compat import install_torchvision_guard
 
     install_torchvision_guard()  # a no-op where torchvision loads (a full GPU install)
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
@@ -52,7 +52,7 @@ def register() -> None:
     from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from serving_integration.sglang_policies import STRATEGIES, TREE_CORE_BACKEND, workflow_tree_core_factory
+    from serving_integration.server.strategies import STRATEGIES, TREE_CORE_BACKEND, workflow_tree_core_factory
 
     for name, strategy in STRATEGIES.items():
         _EVICTION_POLICY_FACTORIES.setdefault(name, strategy)
@@ -75,8 +75,8 @@ def register() -> None:
 def select_workflow_tree_core(original, params):
     """AROUND select_tree_core_backend: our policies need the Python core with notifications."""
     name = original(params)
-    if (getattr(params, "eviction_policy", None) or "").lower() in POLICY_NAMES:
-        from serving_integration.sglang_policies import TREE_CORE_BACKEND
+    if (getattr(params, "eviction_policy", None) or "").lower() in PLUGIN_POLICIES:
+        from serving_integration.server.strategies import TREE_CORE_BACKEND
 
         if name != TREE_CORE_BACKEND:
             log.info("PBKV: policy %s uses the Python tree core %s (was %s)", params.eviction_policy,
@@ -106,7 +106,7 @@ def _never_raises(hook):
 
 
 def _runtime(owner):
-    from serving_integration.sglang_policies import runtime_of
+    from serving_integration.server.strategies import runtime_of
 
     cache = getattr(owner, "tree_cache", owner)  # a Scheduler holds the cache as tree_cache
     return runtime_of(cache) if cache is not None else None
@@ -151,7 +151,7 @@ def _prefetcher(runtime, cache):
         return None
     prefetcher = getattr(runtime, "prefetcher", None)
     if prefetcher is None:
-        from serving_integration.sglang_prefetch import HostPrefetcher
+        from serving_integration.server.prefetch import HostPrefetcher
 
         prefetcher = runtime.prefetcher = HostPrefetcher(runtime, cache)
     return prefetcher

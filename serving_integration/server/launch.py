@@ -1,10 +1,10 @@
 """Start stock SGLang 0.5.23 with HiCache and a cache policy (PBKV's through the plugin).
 
-    python -m serving_integration.launch --model-path Qwen/Qwen3-14B --policy pbkv \\
+    python -m serving_integration.server.launch --model-path Qwen/Qwen3-14B --policy pbkv \\
         --checkpoint runs/train/markov/predictor.pt
-    python -m serving_integration.launch --model-path M --policy lru          # the baseline
-    python -m serving_integration.launch ... --dry-run                        # print, do not start
-    python -m serving_integration.launch ... -- --tp-size 2 --max-total-tokens 200000
+    python -m serving_integration.server.launch --model-path M --policy lru          # the baseline
+    python -m serving_integration.server.launch ... --dry-run                        # print, do not start
+    python -m serving_integration.server.launch ... -- --tp-size 2 --max-total-tokens 200000
 
 It runs `python -m sglang.launch_server` (replacing this process) with the recommended flags:
 `--enable-hierarchical-cache --hicache-ratio R --hicache-write-policy write_through
@@ -25,10 +25,9 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from serving_integration.workflow_runtime import POLICY_NAMES as PLUGIN_POLICIES
+from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES
 
 PLUGIN_GROUP = "sglang.srt.plugins"
-BUILTIN_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -37,10 +36,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="python -m serving_integration.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m serving_integration.server.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True)
-    p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + BUILTIN_POLICIES)
+    p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + SGLANG_POLICIES)
     p.add_argument("--checkpoint", help="train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
     p.add_argument("--step-graph-traces", help="kvflow: trace dataset dir whose train split gives the step graph")
     p.add_argument("--prefetch", choices=("none", "conservative", "aggressive"),
@@ -88,7 +87,7 @@ def preflight(args: argparse.Namespace) -> list[str]:
         return []
     problems = []
     names = {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)}
-    if names.get("pbkv") != "serving_integration.plugin:register":
+    if names.get("pbkv") != "serving_integration.server.plugin:register":
         problems.append(f"the PBKV plugin is not installed in this environment (no '{PLUGIN_GROUP}' entry point "
                         "'pbkv'); run `pip install -c constraints.txt --no-deps -e .` in the repository")
     allowed = os.environ.get("SGLANG_PLUGINS")

@@ -32,7 +32,7 @@ class _Missing:
 
     def __call__(self, *args, **kwargs):
         raise ImportError(f"{self._name} needs torchvision, which is not installed beside the CPU "
-                          "torch 2.13.0 build (serving_integration.sglang_compat guard)")
+                          "torch 2.13.0 build (serving_integration.server.compat guard)")
 
     def __mro_entries__(self, bases):
         return (object,)

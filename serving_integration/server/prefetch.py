@@ -25,7 +25,7 @@ import logging
 
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from serving_integration.workflow_runtime import WorkflowRuntime
+from serving_integration.server.runtime import WorkflowRuntime
 
 log = logging.getLogger(__name__)
 

@@ -344,7 +344,7 @@ class Example:
 def build_examples(sessions: list[TokenizedSession], model, lam: float = 0.5) -> list[Example]:
     """Run ``model`` once per session (causal, so prefix K/Q equal the full run's) and lay out every
     decision point, carrying the intent memory across the session's decision points."""
-    from models.intentkv import encode_span, rule_scores, update_memory
+    from models.intentkv.pruning import encode_span, rule_scores, update_memory
 
     examples = []
     for ts in sessions:

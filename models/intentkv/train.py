@@ -1,10 +1,10 @@
 """Train the IntentKV residual head on generated text sessions (design.md section 8, issue 6 part 5).
 
-    python -m models.train_intentkv steps=200 out=runs/intentkv
-    python -m models.train_intentkv steps=50 n_train=20 n_test=10 out=/tmp/ikv     # smoke run
+    python -m models.intentkv.train steps=200 out=runs/intentkv
+    python -m models.intentkv.train steps=50 n_train=20 n_test=10 out=/tmp/ikv     # smoke run
 
 Key=value arguments (Hydra style, read with OmegaConf.from_cli onto :class:`TrainConfig`).
-Sessions come from :mod:`models.intentkv_data` (train: sessions ``0 .. n_train-1`` of ``seed``,
+Sessions come from :mod:`models.intentkv.sessions` (train: sessions ``0 .. n_train-1`` of ``seed``,
 held out: the next ``n_test``); K/Q from a small randomly initialised Llama. The loss is a listwise
 softmax cross-entropy of ``rule + residual`` over each decision point's unprotected tokens, with
 the positives as a uniform target. On the held-out decision points it prints, for the rule score,
@@ -28,9 +28,9 @@ import torch
 from omegaconf import OmegaConf
 from sklearn.metrics import roc_auc_score
 
-from models.intentkv import ResidualHead, causal_attention, h2o_scores, select_keep, snapkv_scores, \
+from models.intentkv.pruning import ResidualHead, causal_attention, h2o_scores, select_keep, snapkv_scores, \
     streaming_llm_scores
-from models.intentkv_data import Example, build_examples, generate_session, tiny_llama, tokenize_session, \
+from models.intentkv.sessions import Example, build_examples, generate_session, tiny_llama, tokenize_session, \
     wordpiece_tokenizer
 
 

@@ -36,16 +36,20 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import store
-from data.atomic import atomic_file
-from serving_integration.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
+from data.atomic import write_json
+from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
+from serving_integration.cache.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
                                              vocabulary)
-from serving_integration.simulator import SimConfig, simulate, workflows_from_rows
+from serving_integration.cache.workload import workflows_from_rows
+from serving_integration.experiments.presentation import make_row
+from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
-POLICIES = ("lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle")
+# every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents
+POLICIES = (*EVICTION_POLICIES, "pbkv_perfect")
 
 
 def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
@@ -141,7 +145,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
         log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
     if cfg.kv.budget:
-        from serving_integration.kv_pruning import prune_workflows  # torch scoring, only needed here
+        from models.intentkv.replay import prune_workflows  # torch scoring, only needed here
 
         for layout in ("none", *cfg.kv.layouts):
             replayed = workflows if layout == "none" else prune_workflows(
@@ -151,7 +155,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                     kv_budget=None if layout == "none" else cfg.kv.budget))
     summary = {"rows": rows, "predictor": learned[1] if learned else {},
                "config": OmegaConf.to_container(cfg, resolve=True)}
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -163,126 +167,8 @@ class Setting:
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)
-        row = {"comparison": "policies", "workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
-               "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency, "noise": 0.0,
-               "predictor": "none", "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma,
-               "layout": "none", "kv_method": "none", "kv_budget": None, "cost_model": self.cost.name,
-               "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed}
-        row.update(fields)
-        row.update(result)
-        return row
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2))
-
-
-# -------------------------------------------------------------------- presentation
-
-TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
-                 ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
-                 ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
-                 ("x_lru_latency", "{:.2f}"))
-
-
-def table_rows(rows: list[dict]) -> list[dict]:
-    """Rows with the ratios against the run's LRU row (hit rate up, latency speed-up)."""
-    base = next((r for r in rows if r["policy"] == "lru"), None)
-    out = []
-    for r in rows:
-        out.append({**r, "host_hit": r["host_hit_tokens"] / r["prompt_tokens"],
-                    "x_lru_hit": r["hit_rate"] / base["hit_rate"] if base and base["hit_rate"] else float("nan"),
-                    "x_lru_latency": base["mean_workflow_latency_s"] / r["mean_workflow_latency_s"] if base else float("nan")})
-    return out
-
-
-KV_COLUMNS = (("layout", "{}"), ("kv_method", "{}"), ("kv_budget", "{}"), ("prefix_hit_rate", "{:.1%}"),
-              ("hit_rate", "{:.1%}"), ("kv_tokens_read", "{:.3g}"), ("mean_workflow_latency_s", "{:.2f}"),
-              ("mean_ttft_s", "{:.3f}"))
-
-
-def format_table(rows: list[dict]) -> str:
-    """The policy comparison, then the KV-pruning rows if any."""
-    policy_rows = [r for r in rows if r["comparison"] == "policies"]
-    kv_rows = [r for r in rows if r["comparison"] == "kv"]
-    parts = [_table(table_rows(policy_rows), TABLE_COLUMNS)] if policy_rows else []
-    if kv_rows:
-        parts.append(_table(kv_rows, KV_COLUMNS))
-    return "\n\n".join(parts)
-
-
-def _table(rows: list[dict], columns) -> str:
-    head = [name for name, _ in columns]
-    body = [[fmt.format(r[name]) for name, fmt in columns] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    first = rows[0]
-    title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
-             f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
-    return "\n".join([title, line(head), *(line(b) for b in body)])
-
-
-def plot(rows: list[dict], run_dir: Path) -> list[Path]:
-    """hit_rate.png and latency.png of the policy comparison."""
-    rows = [r for r in rows if r["comparison"] == "policies"]
-    if not rows:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["policy"] + ("" if r["prefetch"] in ("none", "aggressive") and r["policy"] != "kvflow"
-                             or r["policy"] == "kvflow" else f"+{r['prefetch'][:4]}") for r in rows]
-    setting = f"{rows[0]['workload']}, gpu_tokens={rows[0]['gpu_tokens']}, C={rows[0]['concurrency']}"
-    paths = []
-    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
-    gpu = [r["hit_rate"] for r in rows]
-    host = [r["host_hit_tokens"] / r["prompt_tokens"] for r in rows]
-    ax.bar(labels, gpu, label="GPU hit")
-    ax.bar(labels, host, bottom=gpu, label="host hit", alpha=0.5)
-    ax.set_ylabel("share of prompt tokens")
-    ax.set_title(f"KV-cache hit rate ({setting})")
-    ax.legend()
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    paths.append(run_dir / "hit_rate.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["mean_workflow_latency_s"] for r in rows], width=0.4, label="mean")
-    ax.bar([i + 0.2 for i in x], [r["p99_workflow_latency_s"] for r in rows], width=0.4, label="p99")
-    ax.set_xticks(list(x), labels, rotation=30)
-    ax.set_ylabel("workflow latency (s)")
-    ax.set_title(f"End-to-end workflow latency ({setting})")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(run_dir / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
-
-
-def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:
-    """One W&B run per evaluate run: the table, the plots, and every row's metrics as summary
-    scalars named POLICY[+PREFETCH]/METRIC, so runs of a sweep compare side by side."""
-    import wandb
-
-    rows = summary["rows"]
-    policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
-    name = f"{cfg.data.name}-{policies}-gpu{cfg.sim.gpu_tokens}-c{cfg.sim.concurrency}"
-    run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
-                     group=cfg.data.name, name=name, config=summary["config"], reinit="finish_previous")
-    columns = list(rows[0])
-    run.log({"summary": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows]),
-             **{p.stem: wandb.Image(str(p)) for p in plots}})
-    for r in rows:
-        label = r["policy"] + ("" if r["prefetch"] == "none" else f"+{r['prefetch']}")
-        if r["comparison"] == "kv":
-            label = f"kv/{r['layout']}"
-        for metric in ("hit_rate", "prefix_hit_rate", "mean_workflow_latency_s", "p99_workflow_latency_s",
-                       "mean_ttft_s", "throughput_calls_per_s"):
-            run.summary[f"{label}/{metric}"] = r[metric]
-    run.finish()
+        labels = {"workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
+                  "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency,
+                  "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma, "cost_model": self.cost.name,
+                  "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed}
+        return make_row({**labels, **fields}, result)

@@ -1,4 +1,4 @@
-"""python -m serving_integration.report RUN_DIR... --out DIR
+"""python -m serving_integration.experiments.report RUN_DIR... --out DIR
 
 Builds report.md and report.html with PNG plots from the summary.json files of evaluate.py runs
 (a run directory, a multirun directory, or summary.json files): the paper's claims beside ours,
@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from data.atomic import atomic_dir
+from serving_integration.experiments.presentation import SETTING, row_label as label
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
-# rows compare only within one setting: the same replayed workflows under the same sizes
-SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
 
 # design.md section 5 (PBKV, arXiv 2605.06472): shape to compare against, not absolute values
 PAPER = {
@@ -53,15 +52,6 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
                 seen.add(key)
                 rows.append({**row, "source": str(f)})
     return rows, files
-
-
-def label(r: dict) -> str:
-    name = r["policy"]
-    if r["policy"] in ("pbkv", "pbkv_perfect") and r["prefetch"] != "none":
-        name += f"+{r['prefetch']}"
-    if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
-        name += f" ({r['predictor']})"
-    return name
 
 
 def setting_of(r: dict) -> tuple:

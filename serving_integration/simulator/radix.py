@@ -26,24 +26,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-ROOT_KEY = 0
-
-
-def chain(key: int, unit: Hashable) -> int:
-    """Identity of a prefix extended by one unit (the prefix's position in the tree)."""
-    return hash((key, unit))
-
-
-def prefix_keys(units: Sequence, start: int = ROOT_KEY) -> tuple[int, ...]:
-    """The identity of every prefix of `units` (after each unit), continuing from `start`."""
-    keys, key = [], start
-    for unit in units:
-        key = chain(key, unit)
-        keys.append(key)
-    return tuple(keys)
-
+from serving_integration.cache.workload import ROOT_KEY, chain, prefix_keys
 
 class Node:
     __slots__ = ("id", "parent", "children", "units", "lens", "num_tokens", "on_gpu", "on_host",

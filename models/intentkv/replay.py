@@ -5,7 +5,7 @@ The pruning unit is a chunk of `chunk_tokens` tokens of a prompt segment. For ea
 method scores the chunks, keeps the protected ones (the system prefix: the first segment; the
 latest span: the last segment) and the best others up to the budget. The simulator has no model,
 so keys and queries are deterministic pseudo-embeddings of the chunk ids (the same scoring code
-as on a real model's KV, models/intentkv.py, on stand-in vectors). What this measures does not
+as on a real model's KV, models/intentkv/pruning.py, on stand-in vectors). What this measures does not
 depend on which chunks a method keeps, only on how the kept set changes from call to call.
 
 How each layout reaches the prefix cache:
@@ -29,9 +29,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from models import intentkv
-from serving_integration.radix import prefix_keys
-from serving_integration.simulator import SimCall, SimWorkflow
+from models.intentkv import pruning as intentkv
+from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys
 
 LAYOUTS = ("compaction", "sentinel")
 PSEUDO_HEADS, PSEUDO_DIM = 4, 16

@@ -1,6 +1,6 @@
 """Replay a trace dataset against a live SGLang server and measure what its cache policy does.
 
-    python -m serving_integration.bench --url http://127.0.0.1:30000 --data DIR --concurrency 8 \\
+    python -m serving_integration.experiments.bench --url http://127.0.0.1:30000 --data DIR --concurrency 8 \\
         --out runs/bench/hover [--append] [--save-trace runs/bench/hover/collected]
 
 Closed loop, as in the simulator: C workflows are live; each sends its next call when the previous
@@ -37,8 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from serving_integration.metrics import replay_metrics
-from serving_integration.workflow_tags import WorkflowTag, custom_params_for, kv_hints_for
+from serving_integration.cache.metrics import replay_metrics
+from serving_integration.experiments.presentation import make_row
+from serving_integration.cache.workflow_tags import WorkflowTag, custom_params_for, kv_hints_for
 
 CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
 
@@ -284,21 +285,21 @@ class ClosedLoopReplay:
 # -------------------------------------------------------------------- results
 
 
-def summarize(replay: ClosedLoopReplay, labels: dict) -> dict:
-    """One row in evaluate.py's summary.json schema (serving_integration.evaluation)."""
+def summarize(replay: ClosedLoopReplay, labels: dict, extra: dict | None = None) -> dict:
+    """One row in evaluate.py's summary.json schema (serving_integration.experiments.presentation)."""
     ok = [r for r in replay.results if r.ok]
     ttfts = [r.ttft_s for r in ok if not math.isnan(r.ttft_s)]
-    return {
-        "comparison": "policies", **labels,
-        "workflows": len(replay.workflows), "calls": len(replay.results), "failed_calls": len(replay.results) - len(ok),
+    labels = {**labels, "workflows": len(replay.workflows), "calls": len(replay.results)}
+    return make_row(labels, {
+        "failed_calls": len(replay.results) - len(ok),
         **replay_metrics(gpu_hit_tokens=sum(r.device_tokens for r in ok), host_hit_tokens=sum(r.host_tokens for r in ok),
                          prompt_tokens=sum(r.prompt_tokens for r in ok),
                          workflow_latencies=list(replay.workflow_latencies.values()), ttfts=ttfts, calls=len(ok),
                          makespan_s=replay.makespan_s),
         "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else 0.0,
         "mean_call_latency_s": float(np.mean([r.latency_s for r in ok])) if ok else 0.0,
-        "makespan_s": replay.makespan_s,
-    }
+        "makespan_s": replay.makespan_s, **(extra or {}),
+    })
 
 
 async def server_info(url: str) -> dict:
@@ -338,8 +339,12 @@ def labels_for(args, info: dict, workload: str) -> dict:
             "prefetch": args.prefetch or plugin.get("prefetch") or "none",
             "gpu_tokens": args.gpu_tokens or gpu_token_capacity(info),
             "concurrency": args.concurrency, "noise": 0.0, "cost_model": f"sglang {args.url}",
-            "seed": args.seed, "prefetch_precision": plugin.get("prefetch_precision"),
-            "plugin_counters": plugin.get("counters", {})}
+            "seed": args.seed}
+
+
+def plugin_metrics(info: dict) -> dict:
+    plugin = plugin_state(info)
+    return {"prefetch_precision": plugin.get("prefetch_precision"), "plugin_counters": plugin.get("counters", {})}
 
 
 def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: Path, fmt: str) -> Path:
@@ -375,13 +380,13 @@ def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: 
 
 
 def write_summary(out: Path, row: dict, config: dict, append: bool) -> Path:
-    from serving_integration.evaluation import write_json_atomic
+    from data.atomic import write_json
 
     path = out / "summary.json"
     rows = []
     if append and path.is_file():
         rows = json.loads(path.read_text()).get("rows", [])
-    write_json_atomic(path, {"rows": rows + [row], "config": config})
+    write_json(path, {"rows": rows + [row], "config": config})
     return path
 
 
@@ -389,7 +394,7 @@ def write_summary(out: Path, row: dict, config: dict, append: bool) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving_integration.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:30000", help="any SGLang endpoint (its /generate)")
     p.add_argument("--data", required=True, help="a trace dataset dir (data.generate / data.import_traces)")
@@ -418,7 +423,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from data import store
-    from serving_integration.evaluation import format_table
+    from serving_integration.experiments.presentation import format_table
 
     ds = store.load(args.data)
     rows = ds.rows(None if args.split == "all" else args.split)
@@ -435,7 +440,7 @@ def main(argv=None) -> int:
     asyncio.run(replay.run())
     info = asyncio.run(server_info(args.url))
     workload = workflows[0][0].workload or Path(args.data).name
-    row = summarize(replay, labels_for(args, info, workload))
+    row = summarize(replay, labels_for(args, info, workload), plugin_metrics(info))
     from data.formats import write_jsonl_atomic
 
     write_jsonl_atomic(out / "calls.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}

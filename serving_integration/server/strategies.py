@@ -23,7 +23,7 @@ from typing import ClassVar
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
-from serving_integration.workflow_runtime import WorkflowRuntime
+from serving_integration.server.runtime import WorkflowRuntime
 
 TREE_CORE_BACKEND = "pbkv_python"  # name under SGLang's register_tree_core_backend
 

@@ -30,13 +30,12 @@ from typing import Any, Callable
 import torch
 
 from data.atomic import atomic_file
-from serving_integration.policies import LifecycleLRU, Prefetch, WorkflowLedger, make_policy
-from serving_integration.predictions import PredictionSource
-from serving_integration.workflow_tags import BadTag, WorkflowTag, tag_of_request
+from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
+from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
 
-POLICY_NAMES = ("pbkv", "pbkv_lae", "kvflow")
 DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 
@@ -199,14 +198,14 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
     try:
         if policy == "kvflow" and config.step_graph_traces:
             from data import store
-            from serving_integration.predictions import StaticGraphSource
-            from serving_integration.simulator import workflows_from_rows
+            from serving_integration.cache.predictions import StaticGraphSource
+            from serving_integration.cache.workload import workflows_from_rows
 
             train = workflows_from_rows(store.load(config.step_graph_traces).rows("train"))
             return StaticGraphSource([[c.agent for c in w.calls] for w in train], config.horizon)
         if policy != "kvflow" and config.checkpoint:
             from models import load_predictor
-            from serving_integration.predictions import ModelSource
+            from serving_integration.cache.predictions import ModelSource
 
             return ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
     except Exception as e:  # noqa: BLE001
@@ -225,8 +224,8 @@ class WorkflowRuntime:
 
     def __init__(self, policy_name: str, config: PluginConfig, source: PredictionSource | None = None,
                  clock: Callable[[], float] = time.monotonic, stats: PluginStats | None = None):
-        if policy_name not in POLICY_NAMES:
-            raise ValueError(f"the PBKV plugin serves {', '.join(POLICY_NAMES)}; got {policy_name!r}")
+        if policy_name not in PLUGIN_POLICIES:
+            raise ValueError(f"the PBKV plugin serves {', '.join(PLUGIN_POLICIES)}; got {policy_name!r}")
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving_integration.cost_model import CostModel
-from serving_integration.metrics import replay_metrics
-from serving_integration.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.predictions import PredictionSource
-from serving_integration.radix import Node, RadixTree, chain, prefix_keys
+from serving_integration.simulator.cost_model import CostModel
+from serving_integration.cache.metrics import replay_metrics
+from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
+from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.simulator.radix import Node, RadixTree
 
 
 @dataclass(frozen=True)
@@ -45,61 +46,6 @@ class SimConfig:
     max_running_requests: int = 256
     predictor_cost_s: float = 0.0  # charged per batched predictor call
     charge_measured_predictor_time: bool = False  # charge the measured wall time instead (not reproducible)
-
-
-@dataclass(frozen=True)
-class SimCall:
-    agent: str
-    units: tuple  # prompt segment ids
-    lens: tuple  # their token counts
-    keys: tuple  # prefix identity after each unit (radix.chain), to find the tree node there
-    output_unit: str
-    output_tokens: int
-    tool_time: float
-    hidden: list | None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(self.lens)
-
-
-@dataclass(eq=False)
-class SimWorkflow:
-    id: str
-    order: int
-    task: str
-    calls: list[SimCall]
-    next_call: int = 0
-    start_time: float = math.nan
-
-    @property
-    def agents(self) -> list[str]:
-        """Agents called so far (the prefix a predictor sees)."""
-        return [c.agent for c in self.calls[: self.next_call]]
-
-    @property
-    def future_agents(self) -> list[str]:
-        return [c.agent for c in self.calls[self.next_call:]]
-
-    @property
-    def hidden(self):
-        return self.calls[self.next_call - 1].hidden if self.next_call else None
-
-
-def workflows_from_rows(rows: list[dict]) -> list[SimWorkflow]:
-    """Dataset call rows (grouped by workflow, in step order) to replayable workflows."""
-    workflows: dict[str, SimWorkflow] = {}
-    for row in rows:
-        wf = workflows.get(row["workflow_id"])
-        if wf is None:
-            wf = workflows[row["workflow_id"]] = SimWorkflow(row["workflow_id"], len(workflows), row["task"], [])
-        units = tuple(row["prompt_ids"])
-        wf.calls.append(SimCall(
-            agent=row["agent"], units=units, lens=tuple(row["prompt_segment_tokens"]), keys=prefix_keys(units),
-            output_unit=row["output_id"] or f"{row['workflow_id']}/output/{row['step']}",
-            output_tokens=row["output_tokens"], tool_time=row["tool_time"] if wf.calls else 0.0,
-            hidden=row["hidden"] or None))
-    return list(workflows.values())
 
 
 @dataclass(eq=False)

@@ -156,6 +156,7 @@ class WorkflowLedger:
 
 class EvictionPolicy:
     name = "base"
+    served_by = "sglang"
     uses_predictions = False
 
     def priority(self, node: CacheNode) -> tuple:
@@ -197,6 +198,8 @@ class TLRU(EvictionPolicy):
 
 
 class _LedgerPolicy(EvictionPolicy):
+    served_by = "plugin"
+
     def __init__(self, ledger: WorkflowLedger):
         self.ledger = ledger
 
@@ -250,6 +253,7 @@ class Oracle(_LedgerPolicy):
     predictor) keeps the more widely needed, then LRU."""
 
     name = "oracle"
+    served_by = "simulator"
     uses_predictions = True
 
     def __init__(self, ledger: WorkflowLedger, next_use: Callable[[CacheNode], float]):
@@ -260,27 +264,25 @@ class Oracle(_LedgerPolicy):
         return (-self.next_use(node), self.ledger.score(node.id), node.last_access_time)
 
 
+# One registry: every other list of policy names (the simulator's, evaluate's, the plugin's and the
+# launcher's) derives from it. `served_by`: who runs the policy in a real server: "sglang" ships it,
+# "plugin" is this project's SGLang plugin, "simulator" needs the real future (clairvoyant).
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)}
+PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
+SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
+
+
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:
-    if name == "lru":
-        return LRU()
-    if name == "lfu":
-        return LFU()
-    if name == "tlru":
-        return TLRU(**options)
-    if name == "pbkv_lae":
-        return LifecycleLRU(ledger)
-    if name == "pbkv":
-        return PBKV(ledger)
-    if name == "kvflow":
-        return KVFlow(ledger, **options)
-    if name == "oracle":
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown eviction policy '{name}'; choose from {', '.join(POLICIES)}")
+    if cls is Oracle:
         if next_use is None:
             raise ValueError("the oracle policy needs the real future (simulator only)")
         return Oracle(ledger, next_use)
-    raise ValueError(f"unknown eviction policy '{name}'; choose from {', '.join(EVICTION_POLICIES)}")
-
-
-EVICTION_POLICIES = ("lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "oracle")
+    if issubclass(cls, _LedgerPolicy):
+        return cls(ledger, **options)
+    return cls(**options)
 
 
 # -------------------------------------------------------------------- prefetch

@@ -1,0 +1,146 @@
+"""How rows look: the summary row schema and the one row-label rule, used by evaluate.py, the bench
+client, the report and the tests; the printed table, the plots and W&B logging of a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+# A summary.json row = these labels (with their defaults) + the replay's metrics
+# (serving_integration.cache.metrics.replay_metrics, and a few more from the simulator or the server).
+ROW_LABELS = {
+    "comparison": "policies",  # policies | kv (IntentKV pruning rows)
+    "workload": None, "policy": None, "prefetch": "none", "gpu_tokens": None, "concurrency": None,
+    "noise": 0.0, "predictor": "none", "horizon": None, "gamma": None,
+    "layout": "none", "kv_method": "none", "kv_budget": None,
+    "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
+}
+# rows compare only within one setting: the same replayed workflows under the same sizes
+SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+
+
+def make_row(labels: dict, metrics: dict) -> dict:
+    """One summary row; a label outside ROW_LABELS is a bug in the caller."""
+    unknown = set(labels) - set(ROW_LABELS)
+    if unknown:
+        raise KeyError(f"not row labels: {sorted(unknown)} (serving_integration.experiments.presentation.ROW_LABELS)")
+    return {**ROW_LABELS, **labels, **metrics}
+
+
+def row_label(r: dict) -> str:
+    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)], or kv/LAYOUT.
+    The prefetch mode is named where it is a choice (not KVFlow's own, not 'none')."""
+    if r["comparison"] == "kv":
+        return f"kv/{r['layout']}"
+    name = r["policy"]
+    if r["prefetch"] != "none" and r["policy"] != "kvflow":
+        name += f"+{r['prefetch']}"
+    if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
+        name += f" ({r['predictor']})"
+    return name
+
+
+TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
+                 ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
+                 ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
+                 ("x_lru_latency", "{:.2f}"))
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Rows with the ratios against the run's LRU row (hit rate up, latency speed-up)."""
+    base = next((r for r in rows if r["policy"] == "lru"), None)
+    out = []
+    for r in rows:
+        out.append({**r, "host_hit": r["host_hit_tokens"] / r["prompt_tokens"],
+                    "x_lru_hit": r["hit_rate"] / base["hit_rate"] if base and base["hit_rate"] else float("nan"),
+                    "x_lru_latency": base["mean_workflow_latency_s"] / r["mean_workflow_latency_s"] if base else float("nan")})
+    return out
+
+
+KV_COLUMNS = (("layout", "{}"), ("kv_method", "{}"), ("kv_budget", "{}"), ("prefix_hit_rate", "{:.1%}"),
+              ("hit_rate", "{:.1%}"), ("kv_tokens_read", "{:.3g}"), ("mean_workflow_latency_s", "{:.2f}"),
+              ("mean_ttft_s", "{:.3f}"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """The policy comparison, then the KV-pruning rows if any."""
+    policy_rows = [r for r in rows if r["comparison"] == "policies"]
+    kv_rows = [r for r in rows if r["comparison"] == "kv"]
+    parts = [_table(table_rows(policy_rows), TABLE_COLUMNS)] if policy_rows else []
+    if kv_rows:
+        parts.append(_table(kv_rows, KV_COLUMNS))
+    return "\n\n".join(parts)
+
+
+def _table(rows: list[dict], columns) -> str:
+    head = [name for name, _ in columns]
+    body = [[fmt.format(r[name]) for name, fmt in columns] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    first = rows[0]
+    title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
+             f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
+    return "\n".join([title, line(head), *(line(b) for b in body)])
+
+
+def plot(rows: list[dict], run_dir: Path) -> list[Path]:
+    """hit_rate.png and latency.png of the policy comparison."""
+    rows = [r for r in rows if r["comparison"] == "policies"]
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row_label(r) for r in rows]
+    setting = f"{rows[0]['workload']}, gpu_tokens={rows[0]['gpu_tokens']}, C={rows[0]['concurrency']}"
+    paths = []
+    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
+    gpu = [r["hit_rate"] for r in rows]
+    host = [r["host_hit_tokens"] / r["prompt_tokens"] for r in rows]
+    ax.bar(labels, gpu, label="GPU hit")
+    ax.bar(labels, host, bottom=gpu, label="host hit", alpha=0.5)
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_title(f"KV-cache hit rate ({setting})")
+    ax.legend()
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    paths.append(run_dir / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["mean_workflow_latency_s"] for r in rows], width=0.4, label="mean")
+    ax.bar([i + 0.2 for i in x], [r["p99_workflow_latency_s"] for r in rows], width=0.4, label="p99")
+    ax.set_xticks(list(x), labels, rotation=30)
+    ax.set_ylabel("workflow latency (s)")
+    ax.set_title(f"End-to-end workflow latency ({setting})")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(run_dir / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:
+    """One W&B run per evaluate run: the table, the plots, and every row's metrics as summary
+    scalars named POLICY[+PREFETCH]/METRIC, so runs of a sweep compare side by side."""
+    import wandb
+
+    rows = summary["rows"]
+    policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
+    name = f"{cfg.data.name}-{policies}-gpu{cfg.sim.gpu_tokens}-c{cfg.sim.concurrency}"
+    run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
+                     group=cfg.data.name, name=name, config=summary["config"], reinit="finish_previous")
+    columns = list(rows[0])
+    run.log({"summary": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows]),
+             **{p.stem: wandb.Image(str(p)) for p in plots}})
+    for r in rows:
+        label = row_label(r)
+        for metric in ("hit_rate", "prefix_hit_rate", "mean_workflow_latency_s", "p99_workflow_latency_s",
+                       "mean_ttft_s", "throughput_calls_per_s"):
+            run.summary[f"{label}/{metric}"] = r[metric]
+    run.finish()
