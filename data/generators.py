@@ -54,6 +54,8 @@ class WorkflowBuilder:
 
     def call(self, agent: str, output_tokens: int, tool: Tool | None = None) -> None:
         step = len(self.calls)
+        if self.workload.output_scale != 1.0:  # after the draw: the random stream is the same at any scale
+            output_tokens = max(1, round(output_tokens * self.workload.output_scale))
         sys_id, task_id = f"sys:{self.workload.name}:{agent}", f"task:{self.workflow_id}"
         self.segments.add(sys_id, self.workload.system_prompt_tokens[agent], "system")
         self.segments.add(task_id, self.task_tokens, "task", self.task)
@@ -85,6 +87,7 @@ class Workload:
 
     name: str
     system_prompt_tokens: dict[str, int]
+    output_scale: float = 1.0  # multiplies every drawn output length (small replays on a CPU server)
 
     def task_and_latent(self, rng: np.random.Generator) -> tuple[str, dict]:
         raise NotImplementedError
@@ -152,7 +155,10 @@ class Hover(Workload):
 
     def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
                  passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
-                 system_prompt_tokens=None):
+                 system_prompt_tokens=None, output_scale=1.0):
+        if output_scale <= 0:
+            raise ValueError(f"output_scale must be positive; got {output_scale}")
+        self.output_scale = float(output_scale)
         self.hop_probs = np.asarray(hop_probs, dtype=float) / np.sum(hop_probs)
         self.extra_hop_prob = extra_hop_prob
         self.passages_per_search = tuple(passages_per_search)

@@ -72,3 +72,40 @@ def install_torchvision_guard() -> bool:
             del sys.modules[name]
         sys.meta_path.insert(0, _TorchvisionGuard())
         return True
+
+
+# -------------------------------------------------------------------- HiCache on a CPU-only machine
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size: int = 1) -> None:
+    """Pure-torch `transfer_kv_direct` (the `direct` io backend, layer-first layout): for each
+    (src, dst) buffer pair, `dst[dst_indices] = src[src_indices]`. Token indices already expand
+    pages, so `page_size` needs no handling here."""
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"transfer_kv_direct: {len(src_layers)} source buffers, {len(dst_layers)} destinations")
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.dtype)
+
+
+def _no_host_register(buffer, registration_granularity_bytes=None) -> None:
+    """cudaHostRegister has nothing to register on a machine without CUDA."""
+
+
+def apply_cpu_hicache_fixes() -> bool:
+    """Make SGLang 0.5.23's HiCache host pool work without CUDA; True if applied, False with CUDA.
+
+    Its host pool is always allocated with pin_memory=True, and `pool_host.common._cuda_host_register`
+    then calls into CUDA: made a no-op. `pool_host.mha` imports its transfer functions only on
+    CUDA/HIP/XPU: given the pure-torch `transfer_kv_direct` above (`--hicache-io-backend direct
+    --hicache-mem-layout layer_first`). Applied before the scheduler builds the cache (the plugin's
+    register(); docs/serving.md, "SGLang on a CPU")."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    from sglang.srt.mem_cache.pool_host import common, mha
+
+    common._cuda_host_register = _no_host_register
+    if not hasattr(mha, "transfer_kv_direct"):
+        mha.transfer_kv_direct = transfer_kv_direct
+    return True

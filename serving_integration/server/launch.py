@@ -5,6 +5,7 @@
     python -m serving_integration.server.launch --model-path M --policy lru          # the baseline
     python -m serving_integration.server.launch ... --dry-run                        # print, do not start
     python -m serving_integration.server.launch ... -- --tp-size 2 --max-total-tokens 200000
+    python -m serving_integration.server.launch --cpu --policy lru                   # no GPU (below)
 
 It runs `python -m sglang.launch_server` (replacing this process) with the recommended flags:
 `--enable-hierarchical-cache --hicache-ratio R --hicache-write-policy write_through
@@ -13,12 +14,21 @@ plugin's `--radix-eviction-policy-config` (checkpoint, gamma, prefetch, ...). An
 `--` goes to SGLang unchanged. Before starting it checks what would otherwise fail inside the
 server's scheduler: the plugin's entry point is installed in this environment, and the
 checkpoint (or kvflow's step-graph traces) can be read.
+
+`--cpu` serves on a machine without a GPU (docs/serving.md, "SGLang on a CPU"): the model defaults
+to the tiny random Llama of tiny_model.py (built on first use), the server gets SGLang's CPU flags
+(`--device cpu --attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph
+--dtype float32 --max-total-tokens N --sleep-on-idle`, HiCache with `--hicache-io-backend direct
+--hicache-mem-layout layer_first --disable-overlap-schedule`), the environment
+`SGLANG_USE_CPU_ENGINE=1` and `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python`, and a PYTHONPATH of
+cpu_support/ (a stand-in sgl_kernel and the torchvision guard, see its README.md) and this repository.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -28,6 +38,12 @@ from pathlib import Path
 from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES
 
 PLUGIN_GROUP = "sglang.srt.plugins"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_SUPPORT = Path(__file__).resolve().parent / "cpu_support"
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--dtype", "float32", "--sleep-on-idle", "--hicache-io-backend", "direct",
+             "--hicache-mem-layout", "layer_first", "--disable-overlap-schedule"]
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -38,7 +54,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(prog="python -m serving_integration.server.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", help="required without --cpu; with --cpu default: the tiny random Llama")
+    p.add_argument("--cpu", action="store_true", help="serve on the CPU (tiny model, CPU flags, cpu_support/)")
+    p.add_argument("--max-total-tokens", type=int,
+                   help="device KV pool in tokens (default with --cpu: 32000; else SGLang's memory fraction)")
+    p.add_argument("--tiny-model-dir", default=None,
+                   help="--cpu: where the tiny model is built/cached (default .cache/pbkv/models/tiny-llama)")
     p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + SGLANG_POLICIES)
     p.add_argument("--checkpoint", help="train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
     p.add_argument("--step-graph-traces", help="kvflow: trace dataset dir whose train split gives the step graph")
@@ -52,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
-    return p.parse_args(argv), extra
+    args = p.parse_args(argv)
+    if not args.model_path and not args.cpu:
+        p.error("--model-path is required (or --cpu for the tiny CPU model)")
+    if args.cpu and args.max_total_tokens is None:
+        args.max_total_tokens = 32000
+    return args, extra
 
 
 def policy_config(args: argparse.Namespace) -> dict:
@@ -71,14 +97,31 @@ def policy_config(args: argparse.Namespace) -> dict:
 
 
 def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path,
+    model_path = args.model_path or str(Path(args.tiny_model_dir or REPO_ROOT / ".cache/pbkv/models/tiny-llama").resolve())
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", args.host, "--port", str(args.port),
            "--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio),
            "--hicache-write-policy", "write_through", "--enable-metrics", "--enable-cache-report",
            "--radix-eviction-policy", args.policy]
     if args.policy in PLUGIN_POLICIES:
         cmd += ["--radix-eviction-policy-config", json.dumps(policy_config(args), sort_keys=True)]
+    if args.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.cpu:
+        cmd += CPU_FLAGS
     return cmd + extra
+
+
+def server_env(args: argparse.Namespace, base: dict | None = None) -> dict:
+    """The server's environment: with --cpu, SGLang's CPU switches and cpu_support/ + the repository
+    first on PYTHONPATH (a stand-in sgl_kernel must be importable before sglang's scheduler is)."""
+    env = dict(os.environ if base is None else base)
+    if args.cpu:
+        env.update(CPU_ENV)
+        paths = [str(CPU_SUPPORT), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.pop("PYTHONPYCACHEPREFIX", None)  # sglang's imports cost 3x CPU with it
+    return env
 
 
 def preflight(args: argparse.Namespace) -> list[str]:
@@ -119,12 +162,126 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 2
     cmd = build_command(args, extra)
-    print(shlex.join(cmd), flush=True)
+    env = server_env(args)
+    shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in [*CPU_ENV, "PYTHONPATH"] if args.cpu)
+    print(f"{shown} {shlex.join(cmd)}".strip(), flush=True)
     if args.dry_run:
         return 0
-    os.execv(cmd[0], cmd)  # the server replaces this process, so signals reach it directly
+    if args.cpu and not args.model_path:
+        from serving_integration.server.tiny_model import build
+
+        build(cmd[cmd.index("--model-path") + 1])
+    os.execve(cmd[0], cmd, env)  # the server replaces this process, so signals reach it directly
     return 0  # not reached
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -------------------------------------------------------------------- a server owned by a program
+
+
+class LocalServer:
+    """`launch` in a subprocess of its own process group, for programs and tests that need a live
+    server: `with LocalServer(["--cpu", "--policy", "lru"]) as server: server.url ...`.
+
+    Entering waits for `/health` (at most `health_timeout_s`; the server's log tail is in the error
+    if it dies or times out); leaving terminates the whole process group (the launcher's PID is the
+    server's, as it execs; sglang's scheduler and detokenizer processes share the group), then kills
+    it after `stop_timeout_s`."""
+
+    def __init__(self, launch_args: list[str], port: int | None = None, log_path: str | Path | None = None,
+                 health_timeout_s: float = 240.0, stop_timeout_s: float = 20.0, env: dict | None = None):
+        self.port = port or free_port()
+        self.launch_args = [*launch_args, "--port", str(self.port)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        self.health_timeout_s, self.stop_timeout_s, self.env = health_timeout_s, stop_timeout_s, env
+        self.proc = None
+        self.ready_s = math.nan
+
+    def __enter__(self) -> "LocalServer":
+        import subprocess
+        import tempfile
+
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="pbkv-server-")) / "server.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+            [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "serving_integration.server.launch",
+                                          *self.launch_args], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_healthy(self) -> None:
+        import time
+        import urllib.error
+        import urllib.request
+
+        started = time.monotonic()
+        while time.monotonic() - started < self.health_timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was healthy; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        self.ready_s = time.monotonic() - started
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2.0)
+        raise TimeoutError(f"the server was not healthy within {self.health_timeout_s:.0f} s; "
+                           f"log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(self.proc.pid):
+                break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,6 +3,7 @@
 (`sglang.srt.plugins.load_plugins`), then applies the hooks registered here.
 
 What it registers:
+  * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
   * the eviction policies `pbkv`, `pbkv_lae`, `kvflow` (sglang_policies.py, wrapping policies.py):
     into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the `--radix-eviction-policy` choices;
   * the tree core `pbkv_python` (SGLang's Python core + split/delete/evict notifications), and a
@@ -43,9 +44,10 @@ _registered = False
 def register() -> None:
     """The entry point. Idempotent: SGLang may call it more than once per process."""
     global _registered
-    from serving_integration.server.compat import install_torchvision_guard
+    from serving_integration.server.compat import apply_cpu_hicache_fixes, install_torchvision_guard
 
     install_torchvision_guard()  # a no-op where torchvision loads (a full GPU install)
+    apply_cpu_hicache_fixes()  # a no-op where CUDA is available
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
     from sglang.srt.mem_cache.unified_cache.tree_core_registry import (register_tree_core_backend,
                                                                         registered_tree_core_backends)

@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
+RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ class WorkflowRuntime:
         self.tags: OrderedDict[Any, WorkflowTag | None] = OrderedDict()  # rid -> tag, requests in flight
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
+        self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
         self._stats_written = -math.inf
         self._ttl_checked = -math.inf
 
@@ -306,6 +308,8 @@ class WorkflowRuntime:
         wf = self._live(tag)
         wf.running.discard(req.rid)
         wf.agents.append(tag.agent)
+        self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
+                                 "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
         if tag.workflow_end:
             self.end_workflow(wf.id)
@@ -407,7 +411,7 @@ class WorkflowRuntime:
         return {"policy": self.policy_name, "prefetch": self.prefetch.mode, "degraded": self.degraded,
                 "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
                 "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
-                "config": asdict(self.config), "counters": counts}
+                "config": asdict(self.config), "counters": counts, "recent_tags": list(self.recent_tags)}
 
     def maybe_write_stats(self, force: bool = False) -> None:
         path = self.config.stats_path

@@ -1,0 +1,180 @@
+"""Fit the cost model's efficiencies to a real server's per-request timings (a bench run).
+
+    python -m serving_integration.experiments.calibrate --calls runs/bench/hover/calls.jsonl \\
+        --model-dir .cache/pbkv/models/tiny-llama --name cpu-tiny-llama \\
+        --peak-flops 1e11 --mem-bandwidth 2e10 --pcie-bandwidth 1e10
+
+The model's shape (layers, heads, head size, parameter count, dtype) is read from its directory
+(config.json and the safetensors header); the hardware's nominal peak FLOP/s, memory bandwidth and
+host-link bandwidth are given. What is fitted (scipy.optimize.least_squares on the times, in seconds) are the
+cost model's free parameters (serving_integration/simulator/cost_model.py): `mfu`,
+`bandwidth_efficiency`, `pcie_efficiency` and `step_overhead_s`, from every successful call of
+calls.jsonl:
+
+    TTFT                 = prefill_s(missed, cached) + pcie_s(host hits) + step_overhead_s
+    latency - TTFT       = (output tokens - 1) * decode_step_s(batch, KV tokens)
+
+where a call's decode batch is the number of calls in flight during it (from their start and end
+times) and its KV tokens the batch times its context. The preset is written to
+conf/cost_model/NAME.yaml (`python evaluate.py cost_model=NAME`); the fit's residuals are printed.
+On a GPU: run the bench client against the GPU server, then this command with that GPU's datasheet
+peak FLOP/s, memory and PCIe bandwidths (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s")
+START = {"mfu": 0.3, "bandwidth_efficiency": 0.5, "pcie_efficiency": 0.5, "step_overhead_s": 0.01}
+BOUNDS = {"mfu": (1e-4, 1.0), "bandwidth_efficiency": (1e-4, 1.0), "pcie_efficiency": (1e-4, 1.0),
+          "step_overhead_s": (1e-5, 1.0)}
+DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "F16": 2}
+
+
+def model_shape(model_dir: str | Path) -> dict:
+    """The cost model's shape fields from a Hugging Face model directory."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    params, dtype = 0, None
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                params += math.prod(tensor.get_shape())
+                dtype = dtype or tensor.get_dtype()
+    if not params:
+        raise ValueError(f"{model_dir}: no safetensors weights found")
+    heads = config["num_attention_heads"]
+    return {"params": float(params), "layers": config["num_hidden_layers"], "q_heads": heads,
+            "kv_heads": config.get("num_key_value_heads", heads),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "dtype_bytes": DTYPE_BYTES.get(dtype or config.get("dtype") or config.get("torch_dtype"), 2)}
+
+
+def read_calls(path: str | Path) -> list[dict]:
+    calls = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            call = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+        if call.get("ok") and not math.isnan(call.get("ttft_s", math.nan)) and call.get("completion_tokens", 0) >= 1:
+            calls.append(call)
+    if len(calls) < len(FITTED) + 1:
+        raise ValueError(f"{path}: {len(calls)} usable calls (ok, streamed, with output); need at least {len(FITTED) + 1}")
+    return calls
+
+
+def features(calls: list[dict]) -> dict:
+    """Per call: missed, cached and host-hit tokens, decode steps, decode batch and KV tokens."""
+    starts = np.array([c["start_s"] for c in calls])
+    ends = np.array([c["end_s"] for c in calls])
+    batch, kv = [], []
+    for c in calls:
+        first_token = c["start_s"] + c["ttft_s"]
+        live = (starts < c["end_s"]) & (ends > first_token)  # calls in flight while this one decodes
+        batch.append(max(int(live.sum()), 1))
+        kv.append(batch[-1] * (c["prompt_tokens"] + c["completion_tokens"] / 2))
+    return {"missed": np.array([c["prompt_tokens"] - c["cached_tokens"] for c in calls], float),
+            "cached": np.array([c["cached_tokens"] for c in calls], float),
+            "host": np.array([c.get("host_tokens", 0) for c in calls], float),
+            "steps": np.array([c["completion_tokens"] - 1 for c in calls], float),
+            "batch": np.array(batch, float), "kv": np.array(kv, float),
+            "ttft": np.array([c["ttft_s"] for c in calls], float),
+            "decode": np.array([max(c["latency_s"] - c["ttft_s"], 1e-6) for c in calls], float)}
+
+
+def predicted(cost, f: dict) -> tuple[np.ndarray, np.ndarray]:
+    ttft = np.array([cost.prefill_s(int(m), int(c)) + cost.pcie_s(h) + cost.step_overhead_s
+                     for m, c, h in zip(f["missed"], f["cached"], f["host"])])
+    decode = np.array([s * cost.decode_step_s(int(b), k) for s, b, k in zip(f["steps"], f["batch"], f["kv"])])
+    return ttft, decode
+
+
+def fit(calls: list[dict], base: dict):
+    """The fitted CostModel and a report of its residuals."""
+    from scipy.optimize import least_squares
+
+    from serving_integration.simulator.cost_model import CostModel
+
+    f = features(calls)
+    use_decode = f["steps"] > 0
+    lo = np.log([BOUNDS[k][0] for k in FITTED])
+    hi = np.log([BOUNDS[k][1] for k in FITTED])
+
+    def model(x):
+        return CostModel(**base, **dict(zip(FITTED, np.exp(x))))
+
+    def residuals(x):
+        ttft, decode = predicted(model(x), f)
+        return np.concatenate([ttft - f["ttft"], decode[use_decode] - f["decode"][use_decode]])
+
+    x0 = np.clip(np.log([START[k] for k in FITTED]), lo, hi)
+    result = least_squares(residuals, x0, bounds=(lo, hi))
+    cost = model(result.x)
+    ttft, decode = predicted(cost, f)
+    report = {"calls": len(calls), "ttft_mean_s": (float(f["ttft"].mean()), float(ttft.mean())),
+              "decode_mean_s": (float(f["decode"].mean()), float(decode.mean())),
+              "rms_residual_s": float(np.sqrt(np.mean(result.fun ** 2))), "success": bool(result.success)}
+    return cost, report
+
+
+def preset_yaml(cost, source: str, report: dict) -> str:
+    from dataclasses import asdict
+
+    lines = [f"# {cost.name}: fitted by `python -m serving_integration.experiments.calibrate` from {source}",
+             f"# ({report['calls']} calls; rms residual {report['rms_residual_s']:.3f} s). Nominal peak FLOP/s,",
+             "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted.",
+             "_target_: serving_integration.simulator.cost_model.CostModel"]
+    for key, value in asdict(cost).items():
+        lines.append(f"{key}: {value!r}" if not isinstance(value, float) else f"{key}: {value:.6g}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from data.atomic import atomic_file
+    from serving_integration.server.tiny_model import DEFAULT_DIR
+
+    p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", required=True, help="a bench run's calls.jsonl (streamed, so TTFT is known)")
+    p.add_argument("--model-dir", default=str(DEFAULT_DIR), help="the served model's directory (shape)")
+    p.add_argument("--name", default="cpu-tiny-llama")
+    p.add_argument("--peak-flops", type=float, default=1e11, help="nominal peak FLOP/s of the serving device")
+    p.add_argument("--mem-bandwidth", type=float, default=2e10, help="nominal memory bandwidth, bytes/s")
+    p.add_argument("--pcie-bandwidth", type=float, default=1e10, help="nominal host-link bandwidth, bytes/s")
+    p.add_argument("--out", help="default conf/cost_model/NAME.yaml")
+    args = p.parse_args(argv)
+    try:
+        calls = read_calls(args.calls)
+        base = {"name": args.name, **model_shape(args.model_dir), "peak_flops": args.peak_flops,
+                "mem_bandwidth": args.mem_bandwidth, "pcie_bandwidth": args.pcie_bandwidth}
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cost, report = fit(calls, base)
+    out = Path(args.out or REPO / "conf" / "cost_model" / f"{args.name}.yaml")
+    with atomic_file(out) as tmp:
+        tmp.write_text(preset_yaml(cost, Path(args.calls).name, report))
+    print(f"fitted on {report['calls']} calls: " + ", ".join(f"{k}={getattr(cost, k):.4g}" for k in FITTED))
+    print(f"mean TTFT real {report['ttft_mean_s'][0]:.3f} s, model {report['ttft_mean_s'][1]:.3f} s; "
+          f"mean decode real {report['decode_mean_s'][0]:.3f} s, model {report['decode_mean_s'][1]:.3f} s; "
+          f"rms residual {report['rms_residual_s']:.3f} s")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

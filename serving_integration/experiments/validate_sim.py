@@ -1,0 +1,238 @@
+"""Replay the same workflows on a real SGLang server (CPU) and in the simulator, with the same
+capacities, and compare what each policy does (docs/serving.md, "Simulator against the server").
+
+    python -m serving_integration.experiments.validate_sim --data DIR --policies lru,pbkv_lae,pbkv \\
+        --checkpoint runs/train/markov/predictor.pt --n-workflows 10 --gpu-tokens 32000 --concurrency 4 \\
+        --out runs/validate_sim
+
+Per policy it starts `launch --cpu` (a fresh server, so no run inherits another's cache), replays
+the split's first N workflows with the bench client (serving_integration.experiments.bench), stops
+the server, then simulates the same workflows with the same device tokens, host ratio, page size,
+concurrency, chunked-prefill budget and tool-time scale. It prints real vs simulated device hit
+rate, host hit rate and recomputed (missed) prompt tokens, and the policies' order by device hit
+rate on both sides; summary.json keeps both rows of every policy.
+
+Without --checkpoint, pbkv's predictor is the first-order Markov chain fitted on the train split
+(models.markov, as evaluate.py does without predictor.checkpoint), saved once under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from serving_integration.cache.policies import PLUGIN_POLICIES
+
+SGLANG_CHUNKED_PREFILL = 4096  # SGLang 0.5.23's chunked_prefill_size on a CPU (its startup log)
+CPU_COST_MODEL = "cpu-tiny-llama"
+
+
+# -------------------------------------------------------------------- the real server
+
+
+def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 2.0, concurrency: int = 2,
+             tool_time_scale: float = 0.1, checkpoint: str | None = None, log_dir: str | Path | None = None,
+             health_timeout_s: float = 240.0, extra_launch: list[str] | None = None) -> dict:
+    """Start `launch --cpu` with `policy`, replay `workflows` (bench.replay_workflows) with the bench
+    client, stop the server. Returns the bench row, the per-call results, the plugin's state
+    (from /server_info) and the server's start and replay times."""
+    from serving_integration.experiments import bench
+    from serving_integration.server.launch import LocalServer
+
+    args = ["--cpu", "--policy", policy, "--max-total-tokens", str(gpu_tokens), "--hicache-ratio", str(hicache_ratio)]
+    if checkpoint and policy in PLUGIN_POLICIES:
+        args += ["--checkpoint", str(checkpoint)]
+    if policy in PLUGIN_POLICIES:  # a 2-core CPU is slow: let a predictor round finish (docs/serving.md)
+        args += ["--policy-config", json.dumps({"predictor_timeout_s": 0})]
+    log_path = Path(log_dir) / f"server-{policy}.log" if log_dir else None
+    with LocalServer(args + (extra_launch or []), log_path=log_path, health_timeout_s=health_timeout_s) as server:
+        replay = bench.ClosedLoopReplay(server.url, workflows, concurrency, bench.SegmentTokens(),
+                                        tool_time_scale=tool_time_scale, progress=False)
+        began = time.monotonic()
+        asyncio.run(replay.run())
+        replay_s = time.monotonic() - began
+        info = asyncio.run(bench.server_info(server.url))
+        labels = {"workload": workflows[0][0].workload or "unknown", "policy": policy,
+                  "prefetch": bench.plugin_state(info).get("prefetch") or "none", "gpu_tokens": gpu_tokens,
+                  "concurrency": concurrency, "noise": 0.0, "cost_model": "sglang-cpu", "seed": 0}
+        row = bench.summarize(replay, labels, bench.plugin_metrics(info))
+        return {"row": row, "results": replay.results, "plugin": bench.plugin_state(info), "info": info,
+                "ready_s": server.ready_s, "replay_s": replay_s, "log": str(server.log_path)}
+
+
+# -------------------------------------------------------------------- the simulator
+
+
+def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_size: int = 1):
+    from serving_integration.simulator.engine import SimConfig
+
+    return SimConfig(gpu_tokens=gpu_tokens, hicache_ratio=hicache_ratio, page_size=page_size,
+                     concurrency=concurrency, max_prefill_tokens=SGLANG_CHUNKED_PREFILL)
+
+
+def cpu_cost_model():
+    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
+    import yaml
+    from hydra.utils import instantiate
+
+    path = Path(__file__).resolve().parents[2] / "conf" / "cost_model" / f"{CPU_COST_MODEL}.yaml"
+    return instantiate(yaml.safe_load(path.read_text()))
+
+
+def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_time_scale: float = 0.1,
+            gamma: float = 0.5) -> dict:
+    """The simulator's row for `policy` on the same call rows (tool times scaled as in the replay)."""
+    from serving_integration.cache.predictions import ModelSource
+    from serving_integration.cache.workload import workflows_from_rows
+    from serving_integration.experiments.presentation import make_row
+    from serving_integration.server.runtime import DEFAULT_PREFETCH
+    from serving_integration.simulator.engine import simulate
+
+    workflows = workflows_from_rows([{**r, "tool_time": float(r.get("tool_time") or 0.0) * tool_time_scale}
+                                     for r in rows])
+    kwargs: dict = {"policy": policy, "prefetch": DEFAULT_PREFETCH.get(policy, "none")}
+    if policy in PLUGIN_POLICIES:  # the plugin's defaults: pbkv prefetches (conservative), pbkv_lae does not
+        kwargs["gamma"] = gamma
+        if policy == "pbkv" or kwargs["prefetch"] != "none":
+            kwargs["predictions"] = ModelSource(predictor)
+    result = simulate(workflows, config, cost, **kwargs)
+    labels = {"workload": rows[0].get("workload") or "unknown", "policy": policy,
+              "prefetch": kwargs.get("prefetch", "none"), "gpu_tokens": config.gpu_tokens,
+              "concurrency": config.concurrency, "noise": 0.0, "cost_model": cost.name, "seed": 0,
+              "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows)}
+    return make_row(labels, result)
+
+
+# -------------------------------------------------------------------- the comparison
+
+TOLERANCE = 0.05  # device hit rates should agree within 5 points per policy
+METRICS = (("hit_rate", "device hit rate"), ("host_hit_rate", "host hit rate"), ("miss_tokens", "recomputed tokens"),
+           ("mean_workflow_latency_s", "mean workflow latency (s)"))
+
+
+def _host_rate(row: dict) -> float:
+    return row["host_hit_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+
+
+def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
+    """Per policy, real vs simulated metrics; the policies' order by device hit rate on each side."""
+    lines = []
+    for policy in real:
+        r, s = real[policy], sim[policy]
+        line = {"policy": policy}
+        for key, _ in METRICS:
+            line[f"real_{key}"] = _host_rate(r) if key == "host_hit_rate" else r[key]
+            line[f"sim_{key}"] = _host_rate(s) if key == "host_hit_rate" else s[key]
+        line["prompt_tokens"] = (r["prompt_tokens"], s["prompt_tokens"])
+        lines.append(line)
+    order = {side: [l["policy"] for l in sorted(lines, key=lambda l: -l[f"{side}_hit_rate"])] for side in ("real", "sim")}
+    return {"rows": lines, "order": order, "same_order": order["real"] == order["sim"],
+            "max_hit_rate_gap": max(abs(l["real_hit_rate"] - l["sim_hit_rate"]) for l in lines)}
+
+
+def format_comparison(table: dict) -> str:
+    header = ["policy"] + [f"{name} real / sim" for _, name in METRICS]
+    out = [" | ".join(header), " | ".join("---" for _ in header)]
+    for line in table["rows"]:
+        cells = [line["policy"]]
+        for key, _ in METRICS:
+            real, sim = line[f"real_{key}"], line[f"sim_{key}"]
+            if key in ("hit_rate", "host_hit_rate"):
+                cells.append(f"{real:.1%} / {sim:.1%}")
+            elif key == "miss_tokens":
+                cells.append(f"{real:,} / {sim:,}")
+            else:
+                cells.append(f"{real:.2f} / {sim:.2f}")
+        out.append(" | ".join(cells))
+    out.append(f"order by device hit rate: real {' > '.join(table['order']['real'])}; "
+               f"simulated {' > '.join(table['order']['sim'])} ({'same' if table['same_order'] else 'DIFFERENT'})")
+    out.append(f"largest device hit-rate gap: {table['max_hit_rate_gap']:.1%} (tolerance {TOLERANCE:.0%})")
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------- command line
+
+
+def fitted_markov(rows: list[dict], out: Path, horizon: int = 3) -> Path:
+    """A first-order Markov checkpoint counted on the train split (as evaluate.py's default)."""
+    from models import save_predictor
+    from models.base import vocabulary
+    from models.markov import MarkovPredictor
+    from serving_integration.experiments.bench import replay_workflows
+
+    sequences = [[c.agent for c in wf] for wf in replay_workflows(rows)]
+    names = vocabulary(a for s in sequences for a in s)
+    index = {a: i for i, a in enumerate(names)}
+    predictor = MarkovPredictor.from_sequences(names, horizon, [[index[a] for a in s] for s in sequences], order=1)
+    return save_predictor(predictor, out)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.validate_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="a trace dataset dir (data.generate / data.import_traces)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--n-workflows", type=int, default=10)
+    p.add_argument("--policies", default="lru,pbkv_lae,pbkv")
+    p.add_argument("--checkpoint", help="pbkv's predictor.pt (default: a Markov chain fitted on the train split)")
+    p.add_argument("--gpu-tokens", type=int, default=32000, help="device KV tokens (--max-total-tokens)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--tool-time-scale", type=float, default=0.1)
+    p.add_argument("--health-timeout", type=float, default=240.0)
+    p.add_argument("--out", required=True, help="summary.json, per-policy calls.jsonl and server logs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from dataclasses import asdict
+
+    from data import store
+    from data.atomic import write_json
+    from data.formats import write_jsonl_atomic
+    from models import load_predictor
+    from serving_integration.experiments.bench import replay_workflows
+
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unsupported = [p for p in policies if p not in ("lru", "lfu", "pbkv_lae", "pbkv")]
+    if unsupported:
+        print(f"error: validate_sim runs lru, lfu, pbkv_lae and pbkv; not {unsupported}", file=sys.stderr)
+        return 2
+    ds = store.load(args.data)
+    rows = ds.rows(None if args.split == "all" else args.split)
+    workflows = replay_workflows(rows)[: args.n_workflows or None]
+    keep = {c.workflow_id for wf in workflows for c in wf}
+    rows = [r for r in rows if r["workflow_id"] in keep]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.checkpoint or str(fitted_markov(ds.rows("train"), out / "markov" / "predictor.pt"))
+    predictor = load_predictor(checkpoint)
+    config, cost = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency), cpu_cost_model()
+    real, sim = {}, {}
+    for policy in policies:
+        run = real_run(workflows, policy, gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
+                       concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
+                       log_dir=out, health_timeout_s=args.health_timeout)
+        real[policy] = run["row"]
+        write_jsonl_atomic(out / f"calls-{policy}.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
+                                                           for r in run["results"]))
+        sim[policy] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
+        print(f"{policy}: real device hits {real[policy]['hit_rate']:.1%} (server ready in {run['ready_s']:.0f} s, "
+              f"replay {run['replay_s']:.0f} s), simulated {sim[policy]['hit_rate']:.1%}", flush=True)
+    table = compare(real, sim)
+    write_json(out / "summary.json", {"real": list(real.values()), "sim": list(sim.values()), "comparison": table,
+                                      "config": {**vars(args), "checkpoint": checkpoint}})
+    print(format_comparison(table))
+    failed = sum(r["failed_calls"] for r in real.values())
+    if failed:
+        print(f"{failed} real calls failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
