@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 
 DEMO_DIR := runs/demo
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test serve clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,16 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# A real SGLang 0.5.23 server on this machine's CPU (tiny random Llama, HiCache, the PBKV plugin):
+# `make serve POLICY=pbkv CHECKPOINT=runs/demo/train/graphsage/predictor.pt`; then replay workflows
+# against it with `python -m serving_integration.experiments.bench --url http://127.0.0.1:30000 ...`.
+POLICY ?= lru
+CHECKPOINT ?=
+PORT ?= 30000
+serve: setup
+	$(PY) -m serving_integration.server.launch --cpu --policy $(POLICY) --port $(PORT) \
+	  $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
 clean:
 	rm -rf $(VENV) .cache runs outputs multirun

@@ -5,7 +5,10 @@
 
 Replays every workflow of a generated dataset (all splits) under each policy and prints wall
 time, simulated calls per second and the tree operations done; then times evict_gpu on trees of
-growing size, to show the per-eviction cost grows like log n (heap), not n (scan).
+growing size, to show the per-eviction cost grows like log n (heap), not n (scan); then runs one
+insert / match / lock / unlock / evict stream through our tree and through SGLang 0.5.23's own
+`RadixCache` (CPU, `create_simulated`, as tests/test_radix_vs_sglang.py builds it) in this process
+and prints operations per second of each and ours / theirs.
 """
 
 from __future__ import annotations
@@ -65,15 +68,110 @@ def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> None:
         print(f"  {size:>7} leaves: {statistics.median(samples):6.2f} us per eviction")
 
 
+def tree_stream(n_ops: int = 20_000, seed: int = 0) -> list[tuple]:
+    """Workflow-like operations: prompts share one of 50 64-token prefixes, then 8-64 tokens of their own."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(30_000) for _ in range(64)] for _ in range(50)]
+    ops = []
+    for _ in range(n_ops):
+        r = rng.random()
+        tokens = tuple(rng.choice(prefixes) + [rng.randrange(30_000) for _ in range(rng.randint(8, 64))])
+        if r < 0.4:
+            ops.append(("insert", tokens))
+        elif r < 0.7:
+            ops.append(("match", tokens, rng.random() < 0.3))
+        elif r < 0.8:
+            ops.append(("unlock", rng.random()))
+        else:
+            ops.append(("evict", rng.randint(16, 256)))
+    return ops
+
+
+def run_ours(ops) -> int:
+    tree, locked = RadixTree(gpu_tokens=10**12), []
+    for op in ops:
+        if op[0] == "insert":
+            tree.insert(op[1], [1] * len(op[1]))
+        elif op[0] == "match":
+            path = tree.match(op[1], [1] * len(op[1]))
+            if path and op[2]:
+                tree.lock(path[-1])
+                locked.append(path[-1])
+        elif op[0] == "unlock":
+            if locked:
+                tree.unlock(locked.pop(int(op[1] * len(locked))))
+        else:
+            tree.evict_gpu(op[1])
+    return tree.gpu_used
+
+
+def run_sglang(ops) -> int:
+    from array import array
+
+    from serving_integration.server.compat import install_torchvision_guard
+
+    install_torchvision_guard()
+    import sglang.srt.mem_cache.radix_cache as radix_cache
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+
+    class FreedSlots:  # create_simulated's documented mock allocator: counts freed slots, no GPU
+        device = "cpu"
+
+        def free_segment(self, value, start_pos=0):
+            pass
+
+    tree, locked = radix_cache.RadixCache.create_simulated(mock_allocator=FreedSlots()), []
+
+    def key(tokens):
+        return radix_cache.RadixKey(token_ids=array("q", tokens))
+
+    for op in ops:
+        if op[0] == "insert":
+            tree.insert(InsertParams(key=key(op[1])))
+        elif op[0] == "match":
+            result = tree.match_prefix(MatchPrefixParams(key=key(op[1])))
+            if result.device_prefix_len and op[2]:
+                tree.inc_lock_ref(result.last_device_node)
+                locked.append(result.last_device_node)
+        elif op[0] == "unlock":
+            if locked:
+                tree.dec_lock_ref(locked.pop(int(op[1] * len(locked))))
+        else:
+            tree.evict(EvictParams(num_tokens=op[1]))
+    return tree.total_size()
+
+
+def tree_vs_sglang(n_ops: int = 20_000) -> None:
+    ops = tree_stream(n_ops)
+    run_sglang(ops[:200])  # imports and first-call costs outside the timing
+    timings = {}
+    for name, run in (("ours", run_ours), ("sglang", run_sglang)):
+        samples = []
+        for _ in range(3):
+            started = time.perf_counter()
+            size = run(ops)
+            samples.append(time.perf_counter() - started)
+        timings[name] = (min(samples), size)
+    (ours, our_size), (theirs, their_size) = timings["ours"], timings["sglang"]
+    print(f"\none stream of {n_ops:,} insert / match / lock / unlock / evict operations (best of 3)")
+    print(f"  our RadixTree:        {n_ops / ours:10,.0f} ops/s   (tokens cached at the end: {our_size:,})")
+    print(f"  SGLang RadixCache:    {n_ops / theirs:10,.0f} ops/s   (tokens cached at the end: {their_size:,})")
+    print(f"  ours / theirs:        {theirs / ours:10.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="hover", choices=sorted(WORKLOADS))
     parser.add_argument("--n-workflows", type=int, default=1000)
     parser.add_argument("--gpu-tokens", type=int, default=300_000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--tree-ops", type=int, default=20_000, help="operations of the tree-vs-SGLang stream")
+    parser.add_argument("--only-tree-vs-sglang", action="store_true")
     args = parser.parse_args()
-    policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency)
-    eviction_cost()
+    if not args.only_tree_vs_sglang:
+        policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency)
+        eviction_cost()
+    tree_vs_sglang(args.tree_ops)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,13 @@ def test_system_prompts_are_shared_across_workflows():
     traces = Hover().generate(20, seed=0)
     sys_ids = {c["prompt_ids"][0] for c in traces.calls}
     assert sys_ids == {f"sys:hover:{a}" for a in ("retriever", "summarizer", "query_generator", "verifier")}
+
+
+def test_output_scale_shrinks_outputs_and_keeps_the_paths():
+    full, small = Hover().generate(20, seed=3), Hover(output_scale=0.1).generate(20, seed=3)
+    assert [c["agent"] for c in full.calls] == [c["agent"] for c in small.calls]  # same random stream
+    for a, b in zip(full.calls, small.calls):
+        assert b["output_tokens"] == max(1, round(a["output_tokens"] * 0.1))
+    assert sum(c["output_tokens"] for c in small.calls) < sum(c["output_tokens"] for c in full.calls) / 5
+    with pytest.raises(ValueError, match="output_scale"):
+        Hover(output_scale=0)

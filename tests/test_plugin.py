@@ -10,6 +10,8 @@ real Scheduler needs a GPU model runner.
 import argparse
 import json
 import math
+import os
+import sys
 import time
 import types
 from array import array
@@ -394,3 +396,43 @@ def test_launch_builds_a_valid_sglang_command(checkpoint, capsys):
     assert "--max-total-tokens 4096" in capsys.readouterr().out
     assert launch.main(["--model-path", "dummy", "--policy", "pbkv", "--dry-run"]) == 2  # no checkpoint
     assert launch.main(["--model-path", "dummy", "--policy", "lru", "--dry-run"]) == 0
+
+
+def test_launch_cpu_adds_the_cpu_flags_environment_and_support_path(tmp_path):
+    args, extra = launch.parse_args(["--cpu", "--policy", "lru", "--tiny-model-dir", str(tmp_path / "tiny")])
+    cmd = launch.build_command(args, extra)
+    server = prepare_server_args(cmd[3:])
+    assert server.device == "cpu" and server.attention_backend == "torch_native" and server.dtype == "float32"
+    assert server.max_total_tokens == 32000 and server.enable_hierarchical_cache and server.disable_cuda_graph
+    assert server.hicache_io_backend == "direct" and server.hicache_mem_layout == "layer_first"
+    assert server.model_path == str((tmp_path / "tiny").resolve())
+    env = launch.server_env(args, {"PYTHONPATH": "/elsewhere", "PYTHONPYCACHEPREFIX": "/tmp/x"})
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.CPU_SUPPORT), str(launch.REPO_ROOT), "/elsewhere"]
+    assert "PYTHONPYCACHEPREFIX" not in env
+    assert launch.server_env(launch.parse_args(["--model-path", "m"])[0], {"A": "1"}) == {"A": "1"}  # GPU: as is
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--policy", "lru"])  # neither --model-path nor --cpu
+
+
+def test_cpu_support_stand_in_and_hicache_transfer(monkeypatch):
+    import importlib
+
+    from serving_integration.server import compat
+
+    monkeypatch.syspath_prepend(str(launch.CPU_SUPPORT))
+    monkeypatch.delitem(sys.modules, "sgl_kernel", raising=False)
+    stand_in = importlib.import_module("sgl_kernel")
+    from sgl_kernel import copy_all_layer_kv_cache_cpu  # what sglang's cache_move imports at load time
+
+    with pytest.raises(NotImplementedError, match="stand-in"):
+        copy_all_layer_kv_cache_cpu()
+    with pytest.raises(ImportError):
+        importlib.import_module("sgl_kernel.scalar_type")  # sglang falls back on ImportError
+    assert stand_in.__file__.startswith(str(launch.CPU_SUPPORT))
+    monkeypatch.delitem(sys.modules, "sgl_kernel")
+    src = [torch.arange(20.0).reshape(10, 2), torch.arange(20.0, 40.0).reshape(10, 2)]
+    dst = [torch.zeros(6, 2), torch.zeros(6, 2)]
+    compat.transfer_kv_direct(src, dst, torch.tensor([7, 2]), torch.tensor([0, 5]), page_size=1)
+    assert dst[0][0].tolist() == [14.0, 15.0] and dst[1][5].tolist() == [24.0, 25.0] and dst[0][1:5].sum() == 0
+    assert compat.apply_cpu_hicache_fixes() is (not torch.cuda.is_available())

@@ -139,7 +139,8 @@ def preset_yaml(cost, source: str, report: dict) -> str:
              "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted.",
              "_target_: serving_integration.simulator.cost_model.CostModel"]
     for key, value in asdict(cost).items():
-        lines.append(f"{key}: {value!r}" if not isinstance(value, float) else f"{key}: {value:.6g}")
+        # floats with a mantissa dot: YAML 1.1 (PyYAML) reads `1e+11` as a string
+        lines.append(f"{key}: {value!r}" if not isinstance(value, float) else f"{key}: {value:.6e}")
     return "\n".join(lines) + "\n"
 
 
