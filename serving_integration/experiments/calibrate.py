@@ -13,6 +13,7 @@ calls.jsonl:
 
     TTFT                 = prefill_s(missed, cached) + pcie_s(host hits) + step_overhead_s
     latency - TTFT       = (output tokens - 1) * decode_step_s(batch, KV tokens)
+                           + the TTFTs of the calls whose prefill ran while this call decoded
 
 where a call's decode batch is the number of calls in flight during it (from their start and end
 times) and its KV tokens the batch times its context. The preset is written to
@@ -81,17 +82,21 @@ def features(calls: list[dict]) -> dict:
     """Per call: missed, cached and host-hit tokens, decode steps, decode batch and KV tokens."""
     starts = np.array([c["start_s"] for c in calls])
     ends = np.array([c["end_s"] for c in calls])
-    batch, kv = [], []
-    for c in calls:
-        first_token = c["start_s"] + c["ttft_s"]
-        live = (starts < c["end_s"]) & (ends > first_token)  # calls in flight while this one decodes
+    first_tokens = starts + np.array([c["ttft_s"] for c in calls])
+    batch, kv, interrupts = [], [], []
+    for i, c in enumerate(calls):
+        live = (starts < c["end_s"]) & (ends > first_tokens[i])  # calls in flight while this one decodes
         batch.append(max(int(live.sum()), 1))
         kv.append(batch[-1] * (c["prompt_tokens"] + c["completion_tokens"] / 2))
+        # prefills of other calls that ran while this one decoded (SGLang runs them first)
+        inside = (first_tokens > first_tokens[i]) & (first_tokens < c["end_s"])
+        inside[i] = False
+        interrupts.append(np.flatnonzero(inside))
     return {"missed": np.array([c["prompt_tokens"] - c["cached_tokens"] for c in calls], float),
             "cached": np.array([c["cached_tokens"] for c in calls], float),
             "host": np.array([c.get("host_tokens", 0) for c in calls], float),
             "steps": np.array([c["completion_tokens"] - 1 for c in calls], float),
-            "batch": np.array(batch, float), "kv": np.array(kv, float),
+            "batch": np.array(batch, float), "kv": np.array(kv, float), "interrupts": interrupts,
             "ttft": np.array([c["ttft_s"] for c in calls], float),
             "decode": np.array([max(c["latency_s"] - c["ttft_s"], 1e-6) for c in calls], float)}
 
@@ -99,7 +104,8 @@ def features(calls: list[dict]) -> dict:
 def predicted(cost, f: dict) -> tuple[np.ndarray, np.ndarray]:
     ttft = np.array([cost.prefill_s(int(m), int(c)) + cost.pcie_s(h) + cost.step_overhead_s
                      for m, c, h in zip(f["missed"], f["cached"], f["host"])])
-    decode = np.array([s * cost.decode_step_s(int(b), k) for s, b, k in zip(f["steps"], f["batch"], f["kv"])])
+    decode = np.array([s * cost.decode_step_s(int(b), k) + ttft[others].sum()
+                       for s, b, k, others in zip(f["steps"], f["batch"], f["kv"], f["interrupts"])])
     return ttft, decode
 
 
