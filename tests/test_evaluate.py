@@ -72,3 +72,13 @@ def test_kv_pruning_rows(tmp_path, cache):
     assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
     assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
     assert "prefix_hit_rate" in stdout
+
+
+def test_rows_carry_the_datasets_own_workload_name(tmp_path):
+    from data import store
+    from data.generators import SweBench
+
+    data = store.save(store.build(SweBench().generate(12, seed=0), val=0.2, test=0.2, seed=0), tmp_path / "mine")
+    # data=hover is the config's default; the dataset given by path is swebench
+    summary, _ = evaluate(tmp_path / "run", f"data.path={data}", "policies=[lru]", cache=tmp_path)
+    assert {r["workload"] for r in summary["rows"]} == {"swebench"}
