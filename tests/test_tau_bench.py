@@ -11,7 +11,7 @@ from data import store
 from data.cli import CONF_DIR, run_command
 from data.errors import TraceValidationError
 from data.import_traces import import_traces
-from data.tau_bench import OPENER, assistant_text, read_tau_bench, user_simulator_system_prompt, _Entry
+from data.tau_bench import OPENER, read_tau_bench, user_simulator_system_prompt
 from tests.conftest import REPO, TAU_BENCH
 
 pytestmark = pytest.mark.skipif(not TAU_BENCH.is_file(),
@@ -30,6 +30,13 @@ def traces(counter):
 
 def workflow(traces, task_id, trial):
     return [c for c in traces.calls if c["workflow_id"] == f"tau_bench-{task_id}-{trial}"]
+
+
+def entry_text(entry):
+    """An assistant entry's text as the README documents it: content, then one line per tool call."""
+    calls = [f'<tool_call id="{c["id"]}" name="{c["function"]["name"]}">{c["function"]["arguments"]}</tool_call>'
+             for c in entry.get("tool_calls") or []]
+    return "\n".join(([entry["content"]] if entry.get("content") else []) + calls)
 
 
 def messages(traces, call):
@@ -55,11 +62,8 @@ def test_agent_prompt_is_the_trajectory_before_the_entry(traces, runs):
             assert len(prompt) == i
             for (role, text), entry in zip(prompt, run["traj"][:i]):
                 assert role == entry["role"]
-                if entry.get("tool_calls"):
-                    assert text == assistant_text(_Entry.model_validate(entry))
-                else:
-                    assert text == entry["content"]
-            assert call["output_text"] == assistant_text(_Entry.model_validate(run["traj"][i]))
+                assert text == (entry_text(entry) if entry.get("tool_calls") else entry["content"])
+            assert call["output_text"] == entry_text(run["traj"][i])
             assert call["task"] == run["info"]["task"]["instruction"]
 
 
@@ -87,6 +91,9 @@ def test_user_simulator_prompt_is_its_own_role_flipped_view(traces, runs):
         for k, call in enumerate(calls):
             prompt = messages(traces, call)
             system = user_simulator_system_prompt(run["info"]["task"]["instruction"])
+            assert system.startswith("You are a user interacting with an agent.\n\nInstruction: "
+                                     + run["info"]["task"]["instruction"] + "\n\nRules:\n- ")
+            assert system.count("\n- ") == 6
             assert prompt[:2] == [("system", system), ("user", OPENER)]
             flipped = [m for j in range(k) for m in (("assistant", user_lines[j]), ("user", replies[j]))]
             assert prompt[2:] == flipped
