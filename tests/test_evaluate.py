@@ -10,13 +10,14 @@ from tests.conftest import REPO
 
 ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate", "gpu_hit_tokens",
               "host_hit_tokens", "miss_tokens", "prompt_tokens", "mean_workflow_latency_s", "p50_workflow_latency_s",
-              "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision"}
+              "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision",
+              "bound_hit_rate", "bound_method", "gap_closed", "reuse_rate", "recompute_rate", "time_tool_s",
+              "time_queue_s", "time_prefill_s", "time_decode_s", "time_pcie_s"}
 
 
 def evaluate(run_dir, *overrides, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}",
-                           "data.source.n_workflows=60", "split=all", "sim.gpu_tokens=120000",
-                           "sim.concurrency=8", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "debug=evaluate", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text()), done.stdout
 
@@ -27,7 +28,7 @@ def cache(tmp_path_factory):
 
 
 def test_every_policy_one_table_and_plots(tmp_path, cache):
-    summary, stdout = evaluate(tmp_path / "run", "wandb.enabled=false", "prefetch=[none,conservative]", cache=cache)
+    summary, stdout = evaluate(tmp_path / "run", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"]) for r in rows] == [
         ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"),
@@ -37,6 +38,11 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
         assert ROW_FIELDS <= set(r)
         assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
         assert r["hit_rate"] == pytest.approx(r["gpu_hit_tokens"] / r["prompt_tokens"])
+        assert r["hit_rate"] <= r["bound_hit_rate"] <= 1  # no policy beats its own run's bound
+        assert r["bound_method"] == "lp" + ("+prefetched" if r["prefetch"] != "none" else "")
+        parts = sum(r[f"time_{p}_s"] for p in ("tool", "queue", "prefill", "decode", "pcie", "predictor"))
+        assert parts == pytest.approx(r["mean_workflow_latency_s"], rel=1e-9)
+    assert by_gap(rows)
     by = {(r["policy"], r["prefetch"]): r for r in rows}
     assert by["pbkv", "conservative"]["prefetch_precision"] is not None and by["lru", "none"]["prefetch_precision"] is None
     assert by["tlru", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # threshold 0: T-LRU is LRU
@@ -46,25 +52,34 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
 
 
+def by_gap(rows):
+    """gap_closed: 0 for LRU, (hit - LRU) / (bound - LRU) for the others."""
+    lru = next(r for r in rows if r["policy"] == "lru")
+    for r in rows:
+        expected = (r["hit_rate"] - lru["hit_rate"]) / (r["bound_hit_rate"] - lru["hit_rate"])
+        assert r["gap_closed"] == pytest.approx(expected)
+    return lru["gap_closed"] == 0
+
+
 def test_same_config_same_summary_and_wandb_offline(tmp_path, cache):
     args = ("policies=[lru,pbkv]", "predictor.noise=0.2", "prefetch=[conservative]")
-    first, _ = evaluate(tmp_path / "a", "wandb.enabled=false", *args, cache=cache)
-    second, _ = evaluate(tmp_path / "b", "wandb.enabled=true", *args, cache=cache)
+    first, _ = evaluate(tmp_path / "a", *args, cache=cache)
+    second, _ = evaluate(tmp_path / "b", "wandb=default", *args, cache=cache)
     assert first["rows"] == second["rows"]
     assert list((tmp_path / "b" / "wandb").glob("offline-run-*"))
-    third, _ = evaluate(tmp_path / "c", "wandb.enabled=false", *args, "seed=1", cache=cache)
+    third, _ = evaluate(tmp_path / "c", *args, "seed=1", cache=cache)
     assert third["rows"][1]["hit_rate"] != first["rows"][1]["hit_rate"]
 
 
 def test_unknown_policy_is_a_clear_error(tmp_path, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={cache}",
-                           "data.source.n_workflows=20", "policies=[lru,arc]", "wandb.enabled=false"],
+                           "debug=evaluate", "policies=[lru,arc]"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr
 
 
 def test_kv_pruning_rows(tmp_path, cache):
-    summary, stdout = evaluate(tmp_path / "kv", "wandb.enabled=false", "policies=[lru]", "kv.budget=3000",
+    summary, stdout = evaluate(tmp_path / "kv", "policies=[lru]", "kv.budget=3000",
                                "kv.method=intent", "kv.layouts=[compaction,sentinel]", cache=cache)
     kv = {r["layout"]: r for r in summary["rows"] if r["comparison"] == "kv"}
     assert set(kv) == {"none", "compaction", "sentinel"}
@@ -72,4 +87,15 @@ def test_kv_pruning_rows(tmp_path, cache):
     # pruning reads less KV; the sentinel layout keeps the prefix cache matching, compaction does not
     assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
     assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
+    assert all(r["hit_rate"] <= r["bound_hit_rate"] for r in summary["rows"])
     assert "prefix_hit_rate" in stdout
+
+
+def test_rows_carry_the_datasets_own_workload_name(tmp_path):
+    from data import store
+    from data.generators import SweBench
+
+    data = store.save(store.build(SweBench().generate(12, seed=0), val=0.2, test=0.2, seed=0), tmp_path / "mine")
+    # data=hover is the config's default; the dataset given by path is swebench
+    summary, _ = evaluate(tmp_path / "run", f"data.path={data}", "policies=[lru]", cache=tmp_path)
+    assert {r["workload"] for r in summary["rows"]} == {"swebench"}

@@ -9,9 +9,11 @@ the same workflows and seed. The policies (`policies=[...]`):
     pbkv_lae          lifecycle-aware LRU: retired cache first
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
-    pbkv_perfect      the same score fed the true future agents (a perfect predictor: a bound)
-    oracle            clairvoyant eviction by furthest next use of the real future (a bound),
-                      prefetching for the true next calls
+    pbkv_perfect      the same score fed the true future agents (a perfect predictor)
+    oracle            clairvoyant eviction by furthest next use of the real future, prefetching
+                      for the true next calls: a heuristic reference, not a bound (policies can
+                      beat it); every row's bound_hit_rate is a proven upper bound on its own
+                      request sequence (serving_integration/simulator/bound.py)
 
 `prefetch=[none,conservative,aggressive]` applies to pbkv, pbkv_perfect and oracle (the paper's
 full PBKV is pbkv with conservative prefetch); `predictor.noise` mixes pbkv's predictions with
@@ -41,7 +43,7 @@ from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
                                              vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.experiments.presentation import make_row
+from serving_integration.experiments.presentation import add_gap_closed, make_row
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
@@ -133,11 +135,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     ds = store.resolve(cfg.data)
     workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
     if not workflows:
-        raise ValueError(f"split '{cfg.split}' of {cfg.data.name} has no workflows")
+        raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
     train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    setting = Setting(cfg, SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
-                      instantiate(cfg.cost_model))
+    setting = Setting(SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
+                      instantiate(cfg.cost_model), workload=ds.workload, horizon=cfg.pbkv.horizon,
+                      gamma=cfg.pbkv.gamma, seed=cfg.seed)
     learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
     rows = []
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
@@ -153,6 +156,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
             rows.append(setting.run(replayed, cfg.kv.policy, "none", {"policy": cfg.kv.policy}, comparison="kv",
                                     layout=layout, kv_method="none" if layout == "none" else cfg.kv.method,
                                     kv_budget=None if layout == "none" else cfg.kv.budget))
+    add_gap_closed(rows)
     summary = {"rows": rows, "predictor": learned[1] if learned else {},
                "config": OmegaConf.to_container(cfg, resolve=True)}
     write_json(run_dir / "summary.json", summary)
@@ -160,15 +164,16 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 class Setting:
-    """One workload setting (config, simulator sizes, cost model): runs a policy, returns its row."""
+    """One workload setting (simulator sizes, cost model, the labels every row of it carries): runs a
+    policy, returns its row. `workload` is the dataset's own name (its meta.json), not the config's."""
 
-    def __init__(self, cfg: DictConfig, sim: SimConfig, cost):
-        self.cfg, self.sim, self.cost = cfg, sim, cost
+    def __init__(self, sim: SimConfig, cost, **labels):
+        self.sim, self.cost = sim, cost
+        self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
+                       "cost_model": cost.name}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)
-        labels = {"workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
-                  "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency,
-                  "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma, "cost_model": self.cost.name,
-                  "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed}
-        return make_row({**labels, **fields}, result)
+        labels = {**self.labels, "policy": policy, "prefetch": prefetch, "workflows": len(workflows),
+                  "calls": sum(len(w.calls) for w in workflows), **fields}
+        return make_row(labels, result)
