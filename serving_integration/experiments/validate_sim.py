@@ -99,7 +99,7 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
         kwargs["gamma"] = gamma
         if policy == "pbkv" or kwargs["prefetch"] != "none":
             kwargs["predictions"] = ModelSource(predictor)
-    result = simulate(workflows, config, cost, **kwargs)
+    result = simulate(workflows, config, cost, bound=False, **kwargs)
     labels = {"workload": rows[0].get("workload") or "unknown", "policy": policy,
               "prefetch": kwargs.get("prefetch", "none"), "gpu_tokens": config.gpu_tokens,
               "concurrency": config.concurrency, "noise": 0.0, "cost_model": cost.name, "seed": 0,
