@@ -19,6 +19,15 @@ def chain(key: int, unit: Hashable) -> int:
     return hash((key, unit))
 
 
+def first_and_last_key(units: Sequence, start: int = ROOT_KEY) -> tuple[int, int]:
+    """`prefix_keys(units, start)[0]` and `[-1]` without building the tuple (`chain` inlined: the
+    tree computes these for every node it creates, over every token in token-level trees)."""
+    first = key = hash((start, units[0]))
+    for unit in units[1:]:
+        key = hash((key, unit))
+    return first, key
+
+
 def prefix_keys(units: Sequence, start: int = ROOT_KEY) -> tuple[int, ...]:
     """The identity of every prefix of `units` (after each unit), continuing from `start`."""
     keys, key = [], start

@@ -28,7 +28,7 @@ import heapq
 import itertools
 from typing import Callable, Iterable, Sequence
 
-from serving_integration.cache.workload import ROOT_KEY, chain, prefix_keys
+from serving_integration.cache.workload import ROOT_KEY, chain, first_and_last_key
 
 class Node:
     __slots__ = ("id", "parent", "children", "units", "lens", "num_tokens", "on_gpu", "on_host",
@@ -125,8 +125,7 @@ class RadixTree:
         node.last_access_time = self.tick()
         node.depth_tokens = parent.depth_tokens + node.num_tokens
         node.max_depth_tokens = node.depth_tokens
-        keys = prefix_keys(units, parent.end_key)
-        node.key_id, node.end_key = keys[0], keys[-1]
+        node.key_id, node.end_key = first_and_last_key(units, parent.end_key)
         self.by_key[node.key_id] = node
         self.by_id[node.id] = node
         parent.children[units[0]] = node
@@ -145,7 +144,7 @@ class RadixTree:
             setattr(prefix, attr, getattr(node, attr))
         prefix.depth_tokens = parent.depth_tokens + prefix.num_tokens
         prefix.key_id = node.key_id
-        prefix.end_key = prefix_keys(prefix.units, parent.end_key)[-1]
+        prefix.end_key = first_and_last_key(prefix.units, parent.end_key)[1]
         node.units, node.lens = node.units[at:], node.lens[at:]
         node.num_tokens -= prefix.num_tokens
         node.parent = prefix
