@@ -57,8 +57,9 @@ def _resolved(path: str | os.PathLike) -> Path:
 
 
 def check_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
-    """Refuse an output that is one of the inputs, holds one (an input inside it) or lies inside
-    an input folder: writing it would replace, remove or change what the command reads."""
+    """Refuse an output that is one of the inputs or holds one (an input inside it): replacing it
+    would replace or remove what the command reads. (An output inside an input folder is allowed:
+    it adds to the folder and changes nothing the command read.)"""
     target = _resolved(out)
     for given in inputs:
         if given is None or str(given) == "":
@@ -68,8 +69,6 @@ def check_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | No
             raise OutputError(f"output {out} is also an input; choose another output")
         if target in source.parents:
             raise OutputError(f"output {out} holds the input {given}; choose another output")
-        if source in target.parents and source.is_dir():
-            raise OutputError(f"output {out} lies inside the input {given}; choose another output")
 
 
 def describe(e: OSError, path: str | os.PathLike) -> str:

@@ -128,7 +128,7 @@ def message(prefix: str, error: dict, values: Mapping) -> str:
     loc = list(error["loc"])
     key = ".".join(p for p in [prefix, *(str(p) for p in loc if not isinstance(p, int))] if p)
     key += "".join(f"[{p}]" for p in loc if isinstance(p, int))
-    reason = error["msg"].removeprefix("Value error, ")
+    reason = re.sub(r" after validation, not \d+$", "", error["msg"].removeprefix("Value error, "))
     if error["type"] == "missing":
         return f"{key} is required"
     if not loc:  # a rule across keys (model_validator): show the keys its reason names
@@ -197,7 +197,8 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
         noise: Probability = 0.0
         cost_s: NonNeg = 0.0
 
-    return {"": Top, "sim": Sim, "kv": Kv, "pbkv": Pbkv, "tlru": Tlru, "kvflow": Kvflow, "predictor": Predictor,
+    # predictor before sim: sim.predictor_cost_s is ${predictor.cost_s}, name the key a user sets
+    return {"": Top, "predictor": Predictor, "sim": Sim, "kv": Kv, "pbkv": Pbkv, "tlru": Tlru, "kvflow": Kvflow,
             **data_schema("data")}
 
 

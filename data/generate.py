@@ -21,5 +21,9 @@ def generate(cfg) -> None:
     print(f"wrote {cfg.out} in {time.perf_counter() - started:.2f}s")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command("generate", generate, generate_schema, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run_command("generate", generate, generate_schema))
+    sys.exit(main())

@@ -38,7 +38,11 @@ def import_traces(cfg) -> None:
     print(f"wrote {cfg.out}")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     from data.config_checks import import_schema
 
-    sys.exit(run_command("import_traces", import_traces, import_schema))
+    return run_command("import_traces", import_traces, import_schema, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
