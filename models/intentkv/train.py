@@ -147,9 +147,17 @@ def save_residual_head(head: ResidualHead, path: Path, extra: dict) -> None:
 
 
 def load_residual_head(path: str | Path) -> ResidualHead:
-    blob = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
-    head = ResidualHead(**blob["config"])
-    head.load_state_dict(blob["state_dict"])
+    from models.checkpoint import CheckpointError
+
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
+        head = ResidualHead(**blob["config"])
+        head.load_state_dict(blob["state_dict"])
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # torch raises several types for foreign, truncated or hostile files
+        raise CheckpointError(f"{path}: not a readable residual head: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from e
     return head.eval()
 
 
