@@ -55,7 +55,9 @@ def run_reported(body, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        key = getattr(e, "full_key", None)
+        print(f"error: {key}: {line}" if key and key not in line else f"error: {line}", file=sys.stderr)
         return EXIT_CONFIG
     except TraceValidationError as e:
         print(f"error: {e}\nnothing was written", file=sys.stderr)
