@@ -73,7 +73,8 @@ def check_output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | No
 
 def describe(e: OSError, path: str | os.PathLike) -> str:
     """One line for a filesystem error on an output."""
-    reasons = {errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.EROFS: "read-only file system",
+    reasons = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "read-only file system",
                errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.ENOTDIR: "a parent is not a directory", errno.EEXIST: "exists and is not a directory",
                errno.ENAMETOOLONG: "name too long", errno.EFBIG: "file too large"}
@@ -196,6 +197,19 @@ def atomic_file(path: str | os.PathLike, inputs: Iterable = ()) -> Iterator[Path
         if _write_error(e):
             raise OutputError(describe(e, path)) from e
         raise
+
+
+def temporary_sibling_dir(path: str | os.PathLike) -> Path:
+    """A new empty ``.NAME.tmp-PID-RANDOM`` folder beside `path` (umask applied; cleaned by
+    :func:`recover` once this process is gone), for callers that rename it into place themselves."""
+    path = Path(path)
+    _prepare(path, ())
+    tmp = _sibling(path, "tmp")
+    try:
+        os.mkdir(tmp, 0o777)
+    except OSError as e:
+        raise OutputError(describe(e, path)) from e
+    return tmp
 
 
 @contextmanager

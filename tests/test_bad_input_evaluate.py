@@ -54,7 +54,8 @@ CASES = [
     ("tlru.threshold", -1, "tlru.threshold=-1: Input should be greater than or equal to 0"),
     ("kvflow.hold_step", -1, "kvflow.hold_step=-1: Input should be greater than or equal to 0"),
     ("data.path", "/no/such/dataset", "data.path=/no/such/dataset: no such directory"),
-    ("data.split.val", 0.95, "data.split: val=0.95, test=0.1: val + test should be below 1 (the rest is the train split)"),
+    ("data.split.val", 0.95, "data.split: val=0.95, test=0.1: val + test should be below 1 "
+                             "(the rest is the train split)"),
     ("data.source.n_workflows", 0, "data.source.n_workflows=0: Input should be greater than or equal to 1"),
 ]
 
@@ -111,8 +112,8 @@ def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypa
 def test_command_line_exit_status_2_and_no_traceback(tmp_path, capsys, monkeypatch):
     """The Hydra entry point itself, in this process (a subprocess would spend seconds importing)."""
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--config-path={REPO / 'conf'}", f"hydra.run.dir={run_dir}", "wandb.enabled=false",
-                                      "kv.budget=-1"])
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--config-path={REPO / 'conf'}", f"hydra.run.dir={run_dir}",
+                                      "wandb.enabled=false", "kv.budget=-1"])
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as e:
         evaluate_py.main()
