@@ -197,9 +197,27 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
         noise: Probability = 0.0
         cost_s: NonNeg = 0.0
 
+    PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+    class CostModel(Group):  # serving_integration/simulator/cost_model.py
+        name: Text
+        params: PositiveFloat
+        layers: Count
+        q_heads: Count
+        kv_heads: Count
+        head_dim: Count
+        dtype_bytes: Count
+        peak_flops: PositiveFloat
+        mem_bandwidth: PositiveFloat
+        pcie_bandwidth: PositiveFloat
+        mfu: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.5
+        bandwidth_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.75
+        pcie_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.8
+        step_overhead_s: NonNeg = 0.002
+
     # predictor before sim: sim.predictor_cost_s is ${predictor.cost_s}, name the key a user sets
     return {"": Top, "predictor": Predictor, "sim": Sim, "kv": Kv, "pbkv": Pbkv, "tlru": Tlru, "kvflow": Kvflow,
-            **data_schema("data")}
+            "cost_model": CostModel, **data_schema("data")}
 
 
 def data_schema(prefix: str) -> dict[str, type[BaseModel]]:

@@ -53,6 +53,10 @@ CASES = [
     ("kv.lam", -1, "kv.lam=-1: Input should be greater than or equal to 0"),
     ("tlru.threshold", -1, "tlru.threshold=-1: Input should be greater than or equal to 0"),
     ("kvflow.hold_step", -1, "kvflow.hold_step=-1: Input should be greater than or equal to 0"),
+    ("cost_model.mfu", 0, "cost_model.mfu=0: Input should be greater than 0"),
+    ("cost_model.pcie_efficiency", 1.5, "cost_model.pcie_efficiency=1.5: Input should be less than or equal to 1"),
+    ("cost_model.layers", 0, "cost_model.layers=0: Input should be greater than or equal to 1"),
+    ("cost_model.peak_flops", -1.0, "cost_model.peak_flops=-1.0: Input should be greater than 0"),
     ("data.path", "/no/such/dataset", "data.path=/no/such/dataset: no such directory"),
     ("data.split.val", 0.95, "data.split: val=0.95, test=0.1: val + test should be below 1 "
                              "(the rest is the train split)"),
