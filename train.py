@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import check_output
-from data.config_checks import train_schema, validate
+from data.config_checks import SCHEMAS, validate
 from data.errors import run_reported
 from models.training import optimized_value, train
 
@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig, run_dir: Path) -> float | None:
     """Validate the config (data.config_checks) and the run directory, then train."""
-    validate(cfg, train_schema())
+    validate(cfg, SCHEMAS["train"]())
     check_output(run_dir, [cfg.data.get("path")])
     return optimized_value(cfg, train(cfg, run_dir))
 

@@ -7,7 +7,7 @@ file and folder the project's commands write.
   any) is renamed aside to ``.NAME.old-PID-RANDOM``, the new one renamed in, the old one removed. A
   kill between the two renames leaves NAME absent with the complete old copy aside: the next write
   of NAME (or :func:`recover`) puts it back. Siblings of dead processes are cleaned then too; those
-  of a live process (a parallel sweep job) are left alone.
+  of a live process (a parallel sweep job) are left alone (process ids: one machine per output folder).
 - An output may not be, or hold, any of the command's inputs (:func:`check_output`), and a folder
   is only replaced when it is empty or holds the marker file :data:`MARKER` naming a command
   allowed to replace it: a folder some user or other tool made is never removed.

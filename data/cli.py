@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from data import store
-from data.config_checks import validate
+from data.config_checks import SCHEMAS, validate
 from data.errors import run_reported
 from data.schema import Traces
 from data.stats import format_stats
@@ -25,14 +25,14 @@ def compose_config(name: str, argv: list[str]) -> DictConfig:
         return compose(config_name=name, overrides=argv)
 
 
-def run_command(config_name: str, body: Callable[[DictConfig], None], schema: Callable[[], dict],
-                argv: list[str] | None = None) -> int:
-    """Compose the config, validate it against `schema()`, then run `body`; returns the exit status."""
+def run_command(config_name: str, body: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
+    """Compose the config, validate it (data.config_checks.SCHEMAS[config_name]), then run `body`;
+    returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
 
     def checked():
         cfg = compose_config(config_name, argv)
-        validate(cfg, schema())
+        validate(cfg, SCHEMAS[config_name]())
         body(cfg)
     return run_reported(checked)
 

@@ -343,3 +343,8 @@ def bench_schema() -> dict[str, type[BaseModel]]:
             return self
 
     return {"": Args}
+
+
+# the checks of each Hydra root config, by its name in conf/
+SCHEMAS = {"evaluate": evaluate_schema, "train": train_schema, "generate": generate_schema,
+           "import_traces": import_schema}

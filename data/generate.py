@@ -9,7 +9,6 @@ from hydra.utils import instantiate
 
 from data.atomic import check_replaceable
 from data.cli import run_command, store_traces
-from data.config_checks import generate_schema
 from data.store import DATASET_WRITERS
 
 
@@ -22,7 +21,7 @@ def generate(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command("generate", generate, generate_schema, argv)
+    return run_command("generate", generate, argv)
 
 
 if __name__ == "__main__":

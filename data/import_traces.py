@@ -42,9 +42,7 @@ def import_traces(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.config_checks import import_schema
-
-    return run_command("import_traces", import_traces, import_schema, argv)
+    return run_command("import_traces", import_traces, argv)
 
 
 if __name__ == "__main__":
