@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import time
 from bisect import bisect_left
@@ -33,7 +34,10 @@ from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.radix import Node, RadixTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Request:
     context: int = 0
     decode_left: int = 0
     ttft: float = math.nan
+    scheduled: float = 0.0  # when the call was issued (previous call's finish + tool time)
+    admitted: float = math.nan
+    clocks: tuple = ()  # the simulator's time-split clocks at admission
 
 
 class FutureIndex:
@@ -116,12 +123,21 @@ class Counters:
     predictor_time_s: float = 0.0
     ttfts: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
+    # summed over calls: tool time, admission wait, and the time spent in prefill compute, decode,
+    # PCIe loads and charged predictor time while the call ran (each call's latency is the sum)
+    time_tool_s: float = 0.0
+    time_queue_s: float = 0.0
+    time_prefill_s: float = 0.0
+    time_decode_s: float = 0.0
+    time_pcie_s: float = 0.0
+    time_predictor_s: float = 0.0
 
 
 class Simulator:
     def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str = "none",
-                 predictions: PredictionSource | None = None, gamma: float = 0.5):
+                 predictions: PredictionSource | None = None, gamma: float = 0.5,
+                 record_decisions: bool = False):
         self.workflows, self.config, self.cost = workflows, config, cost
         self.ledger = WorkflowLedger(gamma)
         self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
@@ -147,6 +163,13 @@ class Simulator:
         self.ever_cached: set[int] = set()
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.counters = Counters()
+        # the realized request sequence, for the offline bound (simulator/bound.py): each admitted
+        # request is appended when admitted and again when it finishes
+        self.trace: list[Request] = []
+        # cumulative seconds of prefill compute, decode, PCIe loads and charged predictor time
+        self.clocks = [0.0, 0.0, 0.0, 0.0]
+        # with record_decisions: (time, kind, node key, tokens) of every eviction and prefetch load
+        self.decisions: list | None = [] if record_decisions else None
 
     # ------------------------------------------------------------------ tree callbacks
 
@@ -161,6 +184,8 @@ class Simulator:
             self.prefetched[suffix.id] = suffix.num_tokens
 
     def _on_evict(self, node: Node) -> None:
+        if self.decisions is not None:
+            self.decisions.append((self.now, "evict", node.key_id, node.num_tokens))
         self.prefetched.pop(node.id, None)
         self.policy.on_evict(node)
 
@@ -190,8 +215,8 @@ class Simulator:
         self._start_workflows()
         while self.arrivals or self.waiting or self.prefilling or self.decoding:
             while self.arrivals and self.arrivals[0][0] <= self.now:
-                _, _, wf = heapq.heappop(self.arrivals)
-                self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now))
+                t, _, wf = heapq.heappop(self.arrivals)
+                self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t))
             self._admit()
             if self.prefilling:
                 finished = self._prefill_iteration()
@@ -218,6 +243,8 @@ class Simulator:
             if not self._try_admit(self.waiting[0]):
                 return
             request = self.waiting.popleft()
+            request.admitted, request.clocks = self.now, tuple(self.clocks)
+            self.trace.append(request)
             self.prefilling.append(request)
             self.running[request.wf.id] = request
 
@@ -280,7 +307,10 @@ class Simulator:
             r.prefill_left -= take
             r.context += take
             budget -= take
-        self.now += seconds + self.cost.pcie_s(loads)
+        pcie = self.cost.pcie_s(loads)
+        self.now += seconds + pcie
+        self.clocks[0] += seconds
+        self.clocks[2] += pcie
         finished, still = [], []
         for r in self.prefilling:
             if r.prefill_left > 0:
@@ -302,6 +332,7 @@ class Simulator:
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
         self._prefetch(seconds)
         self.now += seconds
+        self.clocks[1] += seconds
         finished, still = [], []
         for r in self.decoding:
             r.decode_left -= steps
@@ -326,6 +357,15 @@ class Simulator:
             self.ledger.record_access(node.id, wf.id, call.agent)
         tree.refresh_many(path)
         self.ever_cached.update(keys)
+        self.trace.append(r)
+        c = self.counters
+        c.time_tool_s += call.tool_time
+        c.time_queue_s += r.admitted - r.scheduled
+        clocks, before = self.clocks, r.clocks
+        c.time_prefill_s += clocks[0] - before[0]
+        c.time_decode_s += clocks[1] - before[1]
+        c.time_pcie_s += clocks[2] - before[2]
+        c.time_predictor_s += clocks[3] - before[3]
         self.counters.ttfts.append(r.ttft)
         self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
         del self.running[wf.id]
@@ -355,7 +395,9 @@ class Simulator:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
-        self.now += measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        self.now += charged
+        self.clocks[3] += charged
 
     # ------------------------------------------------------------------ prefetch
 
@@ -394,6 +436,8 @@ class Simulator:
             if tree.gpu_free() < need:
                 continue
             tree.load_back(path)
+            if self.decisions is not None:
+                self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
             self.counters.prefetched_tokens += need
             for n in path:
@@ -405,7 +449,10 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     return {
         **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
                          prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
-                         calls=n_calls, makespan_s=makespan),
+                         calls=n_calls, makespan_s=makespan,
+                         time_totals={"tool": c.time_tool_s, "queue": c.time_queue_s, "prefill": c.time_prefill_s,
+                                      "decode": c.time_decode_s, "pcie": c.time_pcie_s,
+                                      "predictor": c.time_predictor_s}),
         "recomputed_tokens": c.recomputed_tokens,
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
@@ -414,8 +461,28 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     }
 
 
-def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, **policy) -> dict:
+def bound_metrics(sim: Simulator) -> dict:
+    """The offline upper bound on GPU hits for the run's own request sequence (bound.py)."""
+    result = upper_bound(sequence_from_trace(sim.trace), sim.config.gpu_tokens)
+    log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", result.method, result.intervals,
+             result.rows, result.nonzeros, result.seconds)  # wall time stays out of the (reproducible) row
+    c = sim.counters
+    tokens, method = result.hit_tokens, result.method
+    if sim.prefetch.enabled:  # prefetched-then-read tokens are not kept intervals (bound.py, point 5)
+        tokens += c.prefetch_used_tokens
+        method += "+prefetched"
+    tokens = min(tokens, c.prompt_tokens)
+    return {"bound_hit_rate": tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "bound_hit_tokens": tokens, "bound_method": method, "bound_intervals": result.intervals,
+            "bound_rows": result.rows, "bound_nonzeros": result.nonzeros}
+
+
+def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
+             **policy) -> dict:
+    """Replay the workflows under one policy; the summary metrics, with the run's upper bound
+    (`bound_hit_rate`, bound.py) unless bound=False."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
-    return summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    row = summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    return {**row, **bound_metrics(sim)} if bound else row
