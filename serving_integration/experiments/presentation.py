@@ -15,9 +15,11 @@ ROW_LABELS = {
     "noise": 0.0, "predictor": "none", "horizon": None, "gamma": None,
     "layout": "none", "kv_method": "none", "kv_budget": None,
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
+    "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
-SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
+           "replicas", "routing")
 
 
 def make_row(labels: dict, metrics: dict) -> dict:
@@ -29,7 +31,8 @@ def make_row(labels: dict, metrics: dict) -> dict:
 
 
 def row_label(r: dict) -> str:
-    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)], or kv/LAYOUT.
+    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)][ @routing xN], or
+    kv/LAYOUT; the routing policy and replica count are named when there is more than one replica.
     The prefetch mode is named where it is a choice (not KVFlow's own, not 'none')."""
     if r["comparison"] == "kv":
         return f"kv/{r['layout']}"
@@ -38,6 +41,8 @@ def row_label(r: dict) -> str:
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
+    if r.get("replicas", 1) > 1:
+        name += f" @{r['routing']} x{r['replicas']}"
     return name
 
 

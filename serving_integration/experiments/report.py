@@ -228,7 +228,7 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
         groups = defaultdict(lambda: defaultdict(list))
         for r in rows:
             if is_main(r):
-                groups[tuple(r[k] for k in others)][label(r)].append((r[axis], r))
+                groups[tuple(r.get(k) for k in others)][label(r)].append((r[axis], r))
         for key, series in groups.items():
             if len({x for pts in series.values() for x, _ in pts}) < 2:
                 continue
