@@ -158,3 +158,32 @@ def test_pbkv_routing_follows_the_cache_and_migrates_off_an_overloaded_replica()
     servers[2].load, servers[0].load = 4, 1  # bound: 1.0 x (5 + 1) / 3 + 1 = 3 < 4 + 1
     assert router.route(wf, call, servers, 1.0) == 1  # migrates to the best replica within the bound
     assert router.migrations == 1
+
+
+def test_report_names_the_best_four_replica_combination(tmp_path):
+    import json
+
+    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.report import build
+
+    rows = []
+    for i, (replicas, routing, policy, hit, latency) in enumerate([
+            (1, "round_robin", "lru", 0.40, 10.0), (1, "pbkv", "lru", 0.40, 10.0),
+            (4, "round_robin", "lru", 0.20, 8.0), (4, "cache_aware", "lru", 0.30, 6.0),
+            (4, "pbkv", "pbkv", 0.36, 5.0), (4, "sticky", "pbkv", 0.33, 5.5)]):
+        labels = dict(workload="hover", policy=policy, gpu_tokens=600_000, concurrency=32, cost_model="h100",
+                      workflows=10, calls=80, replicas=replicas, routing=routing)
+        rows.append(make_row(labels, dict(
+            hit_rate=hit, gpu_hit_tokens=int(hit * 1000), host_hit_tokens=0, miss_tokens=1000 - int(hit * 1000),
+            prompt_tokens=1000, recompute_rate=1 - hit, mean_workflow_latency_s=latency,
+            p99_workflow_latency_s=2 * latency, mean_ttft_s=0.1, prefetch_precision=None,
+            load_imbalance=1.0 + i / 10, migrations=i)))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"rows": rows}))
+    md = build([str(tmp_path / "run")], tmp_path / "report").read_text()
+    section = md[md.index("## A cluster"):md.index("## Plots")]
+    assert "best **pbkv + pbkv** at 36.0% GPU hit rate" in section
+    assert "x1.80 hit rate, x1.60 latency speed-up over round_robin + lru" in section
+    assert "x1.20 hit rate, x1.20 latency speed-up over cache_aware + lru" in section
+    one_server = [line for line in section.splitlines() if line.startswith("| 1 |")]
+    assert len(one_server) == 1 and "| none |" in one_server[0]  # one replica: routing cannot matter

@@ -86,6 +86,8 @@ def _table(rows: list[dict], columns) -> str:
     first = rows[0]
     title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
              f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
+    if first.get("replicas", 1) > 1:
+        title += f", {first['replicas']} replicas (gpu_tokens in total), routing={first['routing']}"
     return "\n".join([title, line(head), *(line(b) for b in body)])
 
 
