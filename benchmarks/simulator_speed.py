@@ -5,7 +5,8 @@
     python -m benchmarks.simulator_speed --replicas 4 --routing pbkv   # a cluster (gpu_tokens: its total)
 
 Replays every workflow of a generated dataset (all splits) under each policy and prints wall
-time, simulated calls per second and the tree operations done; then times evict_gpu on trees of
+time, simulated calls per second and the hit rate, then the offline upper bound on the run's own
+request sequence (its LP size and solve time, apart from the replay's); then times evict_gpu on trees of
 growing size, to show the per-eviction cost grows like log n (heap), not n (scan).
 """
 
@@ -21,7 +22,8 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
 from serving_integration.simulator.radix import RadixTree
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.simulator.engine import SimConfig, simulate
+from serving_integration.cache.workload import SimWorkflow
+from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics
 
 H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -41,14 +43,22 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
     config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency, replicas=replicas, routing=routing)
     print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}, "
           f"replicas={replicas}, routing={routing}")
-    print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9}")
+    print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
+          f"{'LP intervals':>12} {'LP rows':>8} {'nonzeros':>9}")
     for label, kwargs in runs.items():
+        fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
         started = time.perf_counter()
         if routing == "pbkv" and "predictions" not in kwargs:
             kwargs = {**kwargs, "predictions": PerfectSource(names, 3)}
-        row = simulate(workflows, config, H100, policy=label.split("+")[0], **kwargs)
+        sim = Simulator(fresh, config, H100, policy=label.split("+")[0], **kwargs)
+        counters = sim.run()
         wall = time.perf_counter() - started
-        print(f"{label:>18} {wall:8.2f} {calls / wall:9.0f} {row['hit_rate']:9.1%}")
+        started = time.perf_counter()
+        bound = bound_metrics(sim)  # the offline upper bound on the run's own sequence (simulator/bound.py)
+        bound_wall = time.perf_counter() - started
+        print(f"{label:>18} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
+              f"{bound['bound_hit_rate']:7.1%} {bound_wall:8.2f} {bound['bound_intervals']:12d} "
+              f"{bound['bound_rows']:8d} {bound['bound_nonzeros']:9d}")
 
 
 def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import time
 from bisect import bisect_left
@@ -33,8 +34,11 @@ from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.simulator.router import make_router
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class Request:
     context: int = 0
     decode_left: int = 0
     ttft: float = math.nan
+    scheduled: float = 0.0  # when the call was issued (previous call's finish + tool time)
+    admitted: float = math.nan
+    clocks: tuple = ()  # the simulator's time-split clocks at admission
     server: "Server | None" = None
 
 
@@ -121,6 +128,14 @@ class Counters:
     predictor_time_s: float = 0.0
     ttfts: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
+    # summed over calls: tool time, admission wait, and the time spent in prefill compute, decode,
+    # PCIe loads and charged predictor time while the call ran (each call's latency is the sum)
+    time_tool_s: float = 0.0
+    time_queue_s: float = 0.0
+    time_prefill_s: float = 0.0
+    time_decode_s: float = 0.0
+    time_pcie_s: float = 0.0
+    time_predictor_s: float = 0.0
 
 
 class Server:
@@ -128,7 +143,7 @@ class Server:
     ledger, scheduler queues, clock and counters. The Simulator drives one or more of them."""
 
     def __init__(self, sim: "Simulator", index: int, gpu_tokens: int, policy: str, policy_options: dict | None,
-                 prefetch: str, gamma: float):
+                 prefetch: str, gamma: float, record_decisions: bool = False):
         self.sim, self.index, self.config, self.cost = sim, index, sim.config, sim.cost
         self.ledger = WorkflowLedger(gamma)
         self.policy = make_policy(policy, self.ledger, next_use=sim.future.next_use if sim.future else None,
@@ -146,6 +161,13 @@ class Server:
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.counters = Counters()
         self.calls = 0  # calls routed here
+        # the realized request sequence, for the offline bound (simulator/bound.py): each admitted
+        # request is appended when admitted and again when it finishes
+        self.trace: list[Request] = []
+        # cumulative seconds of prefill compute, decode, PCIe loads and charged predictor time
+        self.clocks = [0.0, 0.0, 0.0, 0.0]
+        # with record_decisions: (time, kind, node key, tokens) of every eviction and prefetch load
+        self.decisions: list | None = [] if record_decisions else None
 
     @property
     def load(self) -> int:
@@ -165,17 +187,19 @@ class Server:
             self.prefetched[suffix.id] = suffix.num_tokens
 
     def _on_evict(self, node: Node) -> None:
+        if self.decisions is not None:
+            self.decisions.append((self.now, "evict", node.key_id, node.num_tokens))
         self.prefetched.pop(node.id, None)
         self.policy.on_evict(node)
 
     # ------------------------------------------------------------------ one scheduler step
 
     def receive(self, t: float, wf: SimWorkflow) -> None:
-        """A call arrives at time t; an idle server prefetches through the idle time first."""
+        """A call issued at time t arrives; an idle server prefetches through the idle time first."""
         if t > self.now:
             self._prefetch(t - self.now)
             self.now = t
-        self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, server=self))
+        self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self))
         self.calls += 1
 
     def step(self) -> None:
@@ -203,6 +227,8 @@ class Server:
             if not try_admit(self.waiting[0]):
                 return
             request = self.waiting.popleft()
+            request.admitted, request.clocks = self.now, tuple(self.clocks)
+            self.trace.append(request)
             self.prefilling.append(request)
             running[request.wf.id] = request
 
@@ -265,7 +291,10 @@ class Server:
             r.prefill_left -= take
             r.context += take
             budget -= take
-        self.now += seconds + self.cost.pcie_s(loads)
+        pcie = self.cost.pcie_s(loads)
+        self.now += seconds + pcie
+        self.clocks[0] += seconds
+        self.clocks[2] += pcie
         finished, still = [], []
         for r in self.prefilling:
             if r.prefill_left > 0:
@@ -288,6 +317,7 @@ class Server:
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
         self._prefetch(seconds)
         self.now += seconds
+        self.clocks[1] += seconds
         finished, still = [], []
         for r in self.decoding:
             r.decode_left -= steps
@@ -313,6 +343,15 @@ class Server:
             self.ledger.record_access(node.id, wf.id, call.agent)
         tree.refresh_many(path)
         self.ever_cached.update(keys)
+        self.trace.append(r)
+        c = self.counters
+        c.time_tool_s += call.tool_time
+        c.time_queue_s += r.admitted - r.scheduled
+        clocks, before = self.clocks, r.clocks
+        c.time_prefill_s += clocks[0] - before[0]
+        c.time_decode_s += clocks[1] - before[1]
+        c.time_pcie_s += clocks[2] - before[2]
+        c.time_predictor_s += clocks[3] - before[3]
         self.counters.ttfts.append(r.ttft)
         self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
 
@@ -331,7 +370,9 @@ class Server:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
-        self.now += measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        self.now += charged
+        self.clocks[3] += charged
 
     # ------------------------------------------------------------------ prefetch
 
@@ -371,6 +412,8 @@ class Server:
             if tree.gpu_free() < need:
                 continue
             tree.load_back(path)
+            if self.decisions is not None:
+                self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
             self.counters.prefetched_tokens += need
             for n in path:
@@ -387,14 +430,15 @@ class Simulator:
 
     def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str = "none",
-                 predictions: PredictionSource | None = None, gamma: float = 0.5):
+                 predictions: PredictionSource | None = None, gamma: float = 0.5,
+                 record_decisions: bool = False):
         if config.replicas < 1:
             raise ValueError(f"sim.replicas must be at least 1; got {config.replicas}")
         self.workflows, self.config, self.cost = workflows, config, cost
         self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
         self.predictions = predictions
-        self.servers = [Server(self, i, config.gpu_tokens // config.replicas, policy, policy_options, prefetch, gamma)
-                        for i in range(config.replicas)]
+        self.servers = [Server(self, i, config.gpu_tokens // config.replicas, policy, policy_options, prefetch, gamma,
+                               record_decisions) for i in range(config.replicas)]
         first = self.servers[0]
         if (first.policy.uses_predictions or first.prefetch.enabled) and predictions is None:
             raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
@@ -419,6 +463,17 @@ class Simulator:
     @property
     def now(self) -> float:
         return max(s.now for s in self.servers)
+
+    @property
+    def trace(self) -> list[Request]:
+        """Every replica's realized request sequence, one after another (bound.py reads one replica's)."""
+        return self.servers[0].trace if len(self.servers) == 1 else [r for s in self.servers for r in s.trace]
+
+    @property
+    def decisions(self) -> list | None:
+        if self.servers[0].decisions is None or len(self.servers) == 1:
+            return self.servers[0].decisions
+        return sorted((d for s in self.servers for d in s.decisions), key=lambda d: d[0])
 
     # ------------------------------------------------------------------ workflows
 
@@ -500,9 +555,11 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     return {
         **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
                          prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
-                         calls=n_calls, makespan_s=makespan),
+                         calls=n_calls, makespan_s=makespan,
+                         time_totals={"tool": c.time_tool_s, "queue": c.time_queue_s, "prefill": c.time_prefill_s,
+                                      "decode": c.time_decode_s, "pcie": c.time_pcie_s,
+                                      "predictor": c.time_predictor_s}),
         "recomputed_tokens": c.recomputed_tokens,
-        "recompute_rate": c.miss_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,  # prefilled share
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
         "kv_tokens_read": c.kv_tokens_read,
@@ -510,7 +567,32 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     }
 
 
-def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, **policy) -> dict:
+def bound_metrics(sim: Simulator) -> dict:
+    """The offline upper bound on GPU hits for the run's own request sequence (bound.py); in a
+    cluster, the sum over replicas of each one's bound on the calls routed to it, at its capacity."""
+    tokens, methods, intervals, rows, nonzeros = 0, [], 0, 0, 0
+    for server in sim.servers:
+        result = upper_bound(sequence_from_trace(server.trace), server.tree.gpu_capacity)
+        log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", result.method, result.intervals,
+                 result.rows, result.nonzeros, result.seconds)  # wall time stays out of the (reproducible) row
+        tokens += result.hit_tokens
+        methods.append(result.method)
+        intervals, rows, nonzeros = intervals + result.intervals, rows + result.rows, nonzeros + result.nonzeros
+    c = sim.counters()
+    method = "+".join(dict.fromkeys(methods))
+    if sim.servers[0].prefetch.enabled:  # prefetched-then-read tokens are not kept intervals (bound.py, point 5)
+        tokens += c.prefetch_used_tokens
+        method += "+prefetched"
+    tokens = min(tokens, c.prompt_tokens)
+    return {"bound_hit_rate": tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "bound_hit_tokens": tokens, "bound_method": method, "bound_intervals": intervals,
+            "bound_rows": rows, "bound_nonzeros": nonzeros}
+
+
+def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
+             **policy) -> dict:
+    """Replay the workflows under one policy; the summary metrics, with the run's upper bound
+    (`bound_hit_rate`, bound.py) unless bound=False."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
@@ -518,4 +600,4 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, *
     calls = [s.calls for s in sim.servers]
     result.update(replica_calls=calls, load_imbalance=max(calls) / (sum(calls) / len(calls)) if sum(calls) else 1.0,
                   migrations=sim.router.migrations)
-    return result
+    return {**result, **bound_metrics(sim)} if bound else result
