@@ -75,7 +75,7 @@ def test_unknown_policy_is_a_clear_error(tmp_path, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={cache}",
                            "debug=evaluate", "policies=[lru,arc]"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr
+    assert done.returncode == 2 and "policies[1]=arc: should be one of" in done.stderr
 
 
 def test_kv_pruning_rows(tmp_path, cache):

@@ -427,10 +427,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from data.errors import run_reported
+
     args = parse_args(argv)
+    status = []
+    failed = run_reported(lambda: status.append(run(args)))
+    return failed or status[0]
+
+
+def run(args: argparse.Namespace) -> int:
     from data import store
+    from data.atomic import check_output
+    from data.config_checks import bench_schema, validate
     from serving_integration.experiments.presentation import format_table
 
+    validate(vars(args), bench_schema(), flags=True)
+    check_output(args.out, [args.data])
+    if args.save_trace:
+        check_output(args.save_trace, [args.data])
     ds = store.load(args.data)
     rows = ds.rows(None if args.split == "all" else args.split)
     workflows = replay_workflows(rows)[: args.n_workflows or None]
@@ -438,7 +452,12 @@ def main(argv=None) -> int:
         print(f"error: split '{args.split}' of {args.data} has no workflows", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from data.atomic import OutputError, describe
+
+        raise OutputError(describe(e, out)) from None
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=args.metadata, stream=not args.no_stream,
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,

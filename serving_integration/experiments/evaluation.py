@@ -31,14 +31,13 @@ import logging
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import store
-from data.atomic import write_json
+from data.atomic import temporary_sibling_dir, write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
                                              vocabulary)
@@ -62,12 +61,18 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
     run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
     if not (run / "predictor.pt").is_file():
         # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
-        run.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{run.name}.", dir=run.parent))
+        tmp = temporary_sibling_dir(run)
         log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
-        subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
-                        f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                        "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+        try:
+            subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
+                            f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
+                            "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, subprocess.CalledProcessError):
+                raise ValueError(f"predictor.train={cfg.predictor.train}: train.py failed with exit status "
+                                 f"{e.returncode} (its output is above)") from None
+            raise
         try:
             tmp.rename(run)
         except OSError:  # another job got there first; its checkpoint is the same recipe's

@@ -144,7 +144,7 @@ def plot(rows: list[dict], run_dir: Path) -> list[Path]:
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     paths.append(run_dir / "hit_rate.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1], dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
     x = range(len(rows))
@@ -156,9 +156,17 @@ def plot(rows: list[dict], run_dir: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(run_dir / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1], dpi=120)
     plt.close(fig)
     return paths
+
+
+def save_figure(fig, path: Path, **kwargs) -> None:
+    """A matplotlib figure written atomically (data.atomic): never a truncated PNG in its place."""
+    from data.atomic import atomic_file
+
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs)
 
 
 def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import atomic_dir
+from data.atomic import atomic_dir, check_output, check_replaceable
+from data.errors import run_reported
 from serving_integration.cache.metrics import TIME_SPLIT
-from serving_integration.experiments.presentation import SETTING, row_label as label
+from serving_integration.experiments.presentation import ROW_LABELS, SETTING, row_label as label
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
@@ -46,7 +47,16 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
         files.extend(found)
     rows, seen = [], set()
     for f in files:
-        for row in json.loads(f.read_text())["rows"]:
+        try:
+            summary_rows = json.loads(f.read_text())["rows"]
+            if not isinstance(summary_rows, list) or not all(isinstance(r, dict) for r in summary_rows):
+                raise TypeError("rows is not a list of rows")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{f}: not a summary.json of evaluate.py ({type(e).__name__}: {e})") from None
+        for i, row in enumerate(summary_rows):
+            missing = sorted({*ROW_LABELS, "hit_rate", "mean_workflow_latency_s"} - set(row))
+            if missing:
+                raise ValueError(f"{f}: row {i} lacks {', '.join(missing)} (not a summary.json of evaluate.py)")
             # a sweep over predictor settings repeats the rows that do not depend on them
             key = json.dumps(row, sort_keys=True)
             if key not in seen:
@@ -412,9 +422,18 @@ def sources(files: list[Path]) -> str:
     return "\n".join(f"- `{folder}` ({n} run{'s' if n > 1 else ''})" for folder, n in folders.items())
 
 
+COMMAND = "serving_integration.experiments.report"
+
+
 def build(paths: list[str], out: Path) -> Path:
+    """The report folder `out`, replaced all at once (data.atomic): never one of the runs read, a
+    folder holding them, nor a folder this command did not make."""
+    check_output(out, paths)
+    check_replaceable(out, (COMMAND,))
     rows, files = load_rows(paths)
-    with atomic_dir(out) as tmp:
+    if not rows:
+        raise ValueError(f"no rows in {', '.join(map(str, files))}: nothing to report")
+    with atomic_dir(out, COMMAND, inputs=paths) as tmp:
         regret_md, fits = regret_fit(rows)
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
         md = "\n\n".join([
@@ -443,13 +462,11 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories, multirun directories or summary.json files")
     parser.add_argument("--out", required=True, type=Path, help="report directory (replaced)")
     args = parser.parse_args(argv)
-    try:
+
+    def body():
         path = build(args.runs, args.out)
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"report: {path} and {path.with_suffix('.html')}")
-    return 0
+        print(f"report: {path} and {path.with_suffix('.html')}")
+    return run_reported(body)
 
 
 if __name__ == "__main__":
