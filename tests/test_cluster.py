@@ -187,3 +187,17 @@ def test_report_names_the_best_four_replica_combination(tmp_path):
     assert "x1.20 hit rate, x1.20 latency speed-up over cache_aware + lru" in section
     one_server = [line for line in section.splitlines() if line.startswith("| 1 |")]
     assert len(one_server) == 1 and "| none |" in one_server[0]  # one replica: routing cannot matter
+
+
+def test_evaluate_runs_a_cluster(tmp_path, tmp_path_factory):
+    from tests.test_evaluate import evaluate
+
+    summary, stdout = evaluate(tmp_path / "run", "sim.replicas=2", "sim.routing=pbkv", "policies=[lru,pbkv]",
+                               "prefetch=[none]", cache=tmp_path_factory.mktemp("data-cache"))
+    rows = summary["rows"]
+    assert [(r["policy"], r["replicas"], r["routing"]) for r in rows] == [("lru", 2, "pbkv"), ("pbkv", 2, "pbkv")]
+    for r in rows:
+        assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
+        assert sum(r["replica_calls"]) == r["calls"] and r["load_imbalance"] >= 1.0
+        assert r["predictor"] == "markov"  # the pbkv router reads the learned predictor, whatever evicts
+    assert "2 replicas (gpu_tokens in total), routing=pbkv" in stdout
