@@ -18,7 +18,8 @@ Policies (docs/cluster.md):
                  back, least recently used first, to max_tree_size characters (counted here as
                  tokens x chars_per_token). Defaults are sglang-router's.
     sticky       sglang-router's manual policy keyed by the workflow id (x-smg-routing-key):
-                 a new key goes to the least loaded worker (assignment mode min_load), and every
+                 a new key goes to the least loaded worker (--assignment-mode min_load; the
+                 default there is random), and every
                  later call of the workflow to the same worker.
     pbkv         the call goes to the replica where its workflow's cached prefix (either tier)
                  plus the predicted reuse of the workflow's cached context is largest, among the
@@ -97,7 +98,7 @@ class CacheAware(Router):
     name = "cache_aware"
 
     def __init__(self, replicas: int, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, eviction_interval_s: float = 120.0,
+                 balance_rel_threshold: float = 1.5, eviction_interval_s: float = 60.0,
                  max_tree_size: int = 2**26, chars_per_token: float = 4.0):
         super().__init__(replicas)
         self.cache_threshold = cache_threshold
