@@ -2,6 +2,7 @@
 
     python -m benchmarks.simulator_speed                    # hover, 1,000 workflows, every policy
     python -m benchmarks.simulator_speed --workload swebench --gpu-tokens 300000
+    python -m benchmarks.simulator_speed --replicas 4 --routing pbkv   # a cluster (gpu_tokens: its total)
 
 Replays every workflow of a generated dataset (all splits) under each policy and prints wall
 time, simulated calls per second and the hit rate, then the offline upper bound on the run's own
@@ -31,7 +32,8 @@ H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_head
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
 
 
-def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int) -> None:
+def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, replicas: int = 1,
+                 routing: str = "none") -> None:
     workflows = workflows_from_rows(WORKLOADS[workload]().generate(n, seed=0).calls)
     sequences = [[c.agent for c in w.calls] for w in workflows]
     names = vocabulary(a for s in sequences for a in s)
@@ -41,13 +43,16 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int) -> No
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
             "oracle": {"predictions": PerfectSource(names, 3)}}
     calls = sum(len(w.calls) for w in workflows)
-    config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency)
-    print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}")
+    config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency, replicas=replicas, routing=routing)
+    print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}, "
+          f"replicas={replicas}, routing={routing}")
     print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
           f"{'LP intervals':>12} {'LP rows':>8} {'nonzeros':>9}")
     for label, kwargs in runs.items():
         fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
         started = time.perf_counter()
+        if routing == "pbkv" and "predictions" not in kwargs:
+            kwargs = {**kwargs, "predictions": PerfectSource(names, 3)}
         sim = Simulator(fresh, config, H100, policy=label.split("+")[0], **kwargs)
         counters = sim.run()
         wall = time.perf_counter() - started
@@ -175,12 +180,16 @@ def main() -> None:
     parser.add_argument("--n-workflows", type=int, default=1000)
     parser.add_argument("--gpu-tokens", type=int, default=300_000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--routing", default="none")
+    parser.add_argument("--no-eviction-cost", action="store_true", help="skip the evict_gpu timing")
     parser.add_argument("--tree-ops", type=int, default=20_000, help="operations of the tree-vs-SGLang stream")
     parser.add_argument("--only-tree-vs-sglang", action="store_true")
     args = parser.parse_args()
     if not args.only_tree_vs_sglang:
-        policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency)
-        eviction_cost()
+        policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency, args.replicas, args.routing)
+        if not args.no_eviction_cost:
+            eviction_cost()
     tree_vs_sglang(args.tree_ops)
 
 

@@ -150,6 +150,7 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
     from models.intentkv.pruning import LAYOUTS, METHODS
     from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES, Prefetch
     from serving_integration.experiments.evaluation import POLICIES
+    from serving_integration.simulator.router import ROUTERS
 
     class Top(Group):
         seed: Seed
@@ -169,6 +170,15 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
         predictor_cost_s: NonNeg = 0.0
         charge_measured_predictor_time: bool = False
         n_workflows: Optional[Count] = None
+        replicas: Count = 1
+        routing: Annotated[str, one_of(ROUTERS)] = "none"
+
+        @model_validator(mode="after")
+        def _routed(self):
+            if self.replicas > 1 and self.routing == "none":
+                raise ValueError(f"sim.replicas={self.replicas} needs a routing policy (sim.routing: "
+                                 f"{', '.join(n for n in ROUTERS if n != 'none')})")
+            return self
 
     class Kv(Group):
         budget: Optional[Count] = None

@@ -143,12 +143,17 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
         raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
     train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    setting = Setting(SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
+    sim = OmegaConf.to_container(cfg.sim, resolve=True)
+    setting = Setting(SimConfig(**{k: v for k, v in sim.items() if k != "n_workflows"}),
                       instantiate(cfg.cost_model), workload=ds.workload, horizon=cfg.pbkv.horizon,
                       gamma=cfg.pbkv.gamma, seed=cfg.seed)
-    learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
+    routes_by_prediction = cfg.sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
+    learned = (learned_source(cfg, train_sequences, agent_names[1:], ds.path)
+               if "pbkv" in cfg.policies or routes_by_prediction else None)
     rows = []
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
+        if routes_by_prediction and kwargs.get("predictions") is None:
+            kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
         rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
         log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
@@ -175,6 +180,7 @@ class Setting:
     def __init__(self, sim: SimConfig, cost, **labels):
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
+                       "replicas": sim.replicas, "routing": sim.routing,
                        "cost_model": cost.name}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:

@@ -15,9 +15,11 @@ ROW_LABELS = {
     "noise": 0.0, "predictor": "none", "horizon": None, "gamma": None,
     "layout": "none", "kv_method": "none", "kv_budget": None,
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
+    "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
-SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
+           "replicas", "routing")
 
 
 # metrics every row carries, null where a run cannot compute them (the bench client has no bound)
@@ -49,7 +51,8 @@ def add_gap_closed(rows: list[dict]) -> list[dict]:
 
 
 def row_label(r: dict) -> str:
-    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)], or kv/LAYOUT.
+    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)][ @routing xN], or
+    kv/LAYOUT; the routing policy and replica count are named when there is more than one replica.
     The prefetch mode is named where it is a choice (not KVFlow's own, not 'none')."""
     if r["comparison"] == "kv":
         return f"kv/{r['layout']}"
@@ -60,6 +63,8 @@ def row_label(r: dict) -> str:
         name += f" ({r['predictor']})"
     if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (the bound is bound_hit_rate)
         name += " (heuristic, Belady)"
+    if r.get("replicas", 1) > 1:
+        name += f" @{r['routing']} x{r['replicas']}"
     return name
 
 
@@ -110,6 +115,8 @@ def _table(rows: list[dict], columns) -> str:
     first = rows[0]
     title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
              f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
+    if first.get("replicas", 1) > 1:
+        title += f", {first['replicas']} replicas (gpu_tokens in total), routing={first['routing']}"
     return "\n".join([title, line(head), *(line(b) for b in body)])
 
 

@@ -253,7 +253,7 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
         groups = defaultdict(lambda: defaultdict(list))
         for r in rows:
             if is_main(r):
-                groups[tuple(r[k] for k in others)][label(r)].append((r[axis], r))
+                groups[tuple(r.get(k) for k in others)][label(r)].append((r[axis], r))
         for key, series in groups.items():
             if len({x for pts in series.values() for x, _ in pts}) < 2:
                 continue
@@ -342,6 +342,75 @@ def kv_table(rows) -> str:
                      "mean latency (s)"], body)
 
 
+# -------------------------------------------------------------------- cluster
+
+CLUSTER_BASES = (("round_robin", "lru"), ("cache_aware", "lru"))
+CLUSTER_BEST_AT = (("hover", "swebench"), 4)  # workloads and replica count whose best combination is named
+
+
+def cluster_rows(rows) -> dict:
+    """Rows of cluster runs (evaluate.py experiment=cluster) by (workload, workflows, gpu_tokens,
+    concurrency): {(replicas, routing, eviction): row}. With one replica the routing policy cannot
+    matter (its runs are the single server), so one of them stands for all, as routing 'none'."""
+    if not any(r.get("replicas", 1) > 1 for r in rows):
+        return {}
+    groups = defaultdict(dict)
+    for r in rows:
+        if not is_main(r) or "replicas" not in r:
+            continue
+        key = (r["workload"], r["workflows"], r["gpu_tokens"], r["concurrency"], r["cost_model"])
+        routing = r["routing"] if r["replicas"] > 1 else "none"
+        groups[key].setdefault((r["replicas"], routing, label(dict(r, replicas=1))), r)
+    return {k: v for k, v in groups.items() if any(rep > 1 for rep, _, _ in v)}
+
+
+def cluster_best(combos: dict, replicas: int):
+    """The combination with the highest GPU hit rate (then the lowest mean latency) at `replicas`,
+    and its hit-rate ratio and latency speed-up over each base combination present."""
+    at = {(routing, ev): r for (rep, routing, ev), r in combos.items() if rep == replicas}
+    if not at:
+        return None
+    (routing, ev), top = max(at.items(), key=lambda item: (item[1]["hit_rate"], -item[1]["mean_workflow_latency_s"]))
+    ratios = {}
+    for base in CLUSTER_BASES:
+        b = at.get(base)
+        if b is not None:
+            ratios[base] = (ratio(top["hit_rate"], b["hit_rate"]),
+                            ratio(b["mean_workflow_latency_s"], top["mean_workflow_latency_s"]))
+    return routing, ev, top, ratios
+
+
+def cluster_section(rows) -> str:
+    groups = cluster_rows(rows)
+    if not groups:
+        return "No cluster runs (sim.replicas > 1) in these runs."
+    parts, named = [], []
+    workloads, at = CLUSTER_BEST_AT
+    for (workload, n_wf, gpu, conc, cost), combos in groups.items():
+        body = []
+        for (rep, routing, ev), r in sorted(combos.items(), key=lambda item: item[0]):
+            body.append([str(rep), routing, ev, fmt(r["hit_rate"], "{:.1%}"),
+                         fmt(r.get("recompute_rate", r["miss_tokens"] / r["prompt_tokens"]), "{:.1%}"),
+                         fmt(r["mean_workflow_latency_s"]), fmt(r["p99_workflow_latency_s"]),
+                         fmt(r.get("load_imbalance"), "{:.2f}"), str(r.get("migrations", "n/a"))])
+        head = ["replicas", "routing", "eviction", "GPU hit rate", "recompute rate", "mean latency (s)",
+                "p99 latency (s)", "load imbalance", "migrations"]
+        parts.append(f"### {workload}: {n_wf} workflows, total gpu_tokens={gpu}, concurrency={conc}, {cost}\n\n"
+                     + md_table(head, body))
+        found = cluster_best(combos, at) if workload.split("-")[0] in workloads else None
+        if found:
+            routing, ev, top, ratios = found
+            vs = "; ".join(f"x{h:.2f} hit rate, x{l:.2f} latency speed-up over {b[0]} + {b[1]}"
+                           for b, (h, l) in ratios.items()) or "no base combination in these runs"
+            named.append(f"- **{workload}** ({at} replicas): best **{routing} + {ev}** at "
+                         f"{top['hit_rate']:.1%} GPU hit rate, mean latency {top['mean_workflow_latency_s']:.2f} s; {vs}")
+    intro = ("Recompute rate: missed prompt tokens over prompt tokens (prefilled again). Load imbalance: the most "
+             "calls served by one replica over the mean. Migrations: calls routed away from their workflow's "
+             "previous replica. The total GPU KV capacity is the same at every replica count (split evenly).")
+    best = "\n".join(named) or f"No runs at {at} replicas on {', '.join(workloads)}."
+    return "\n\n".join([intro, f"Best combination at {at} replicas (highest GPU hit rate):\n\n{best}", *parts])
+
+
 # -------------------------------------------------------------------- main
 
 def sources(files: list[Path]) -> str:
@@ -373,6 +442,7 @@ def build(paths: list[str], out: Path) -> Path:
             "## The paper's claims beside ours", claims_table(rows),
             "## Prediction noise: regret and its linear fit", regret_md,
             "## KV pruning (IntentKV)", kv_table(rows),
+            "## A cluster: replicas x routing x eviction", cluster_section(rows),
             "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
             "## Results by setting", SETTING_NOTE, setting_tables(rows),
         ]) + "\n"
