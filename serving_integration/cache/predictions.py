@@ -89,21 +89,46 @@ class StaticGraphSource:
 
 
 class NoisySource:
-    """P' = (1 - eps) P + eps R, R drawn uniformly from the simplex (seeded): prediction error of a
-    controlled size, for robustness sweeps."""
+    """Prediction error of a controlled size eps, for robustness sweeps (seeded).
 
-    def __init__(self, inner: PredictionSource, eps: float, seed: int):
+    uniform:     P' = (1 - eps) P + eps R, R drawn uniformly from the simplex: random error,
+                 which is benign on average.
+    adversarial: P' = (1 - eps) P + eps Q, Q spread evenly over the agents that are NOT the true
+                 k-th next call (END counts as a call), preferring agents the workflow already
+                 ran (their cache is what the misplaced mass then protects): error aimed at the
+                 policy. It reads the true future, as `PerfectSource` does (simulator only)."""
+
+    KINDS = ("uniform", "adversarial")
+
+    def __init__(self, inner: PredictionSource, eps: float, seed: int, kind: str = "uniform"):
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"predictor.noise must be in [0, 1]; got {eps}")
-        self.inner, self.eps = inner, eps
+        if kind not in self.KINDS:
+            raise ValueError(f"predictor.noise_kind must be one of {', '.join(self.KINDS)}; got '{kind}'")
+        self.inner, self.eps, self.kind = inner, eps, kind
         self.agent_names, self.horizon = inner.agent_names, inner.horizon
+        self.index = {a: i for i, a in enumerate(self.agent_names)}
         self.generator = torch.Generator().manual_seed(seed)
 
     def predict(self, workflows):
         probs = self.inner.predict(workflows)
         if self.eps == 0:
             return probs
-        # normalised Exp(1) draws are uniform on the simplex
-        noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=self.generator)
-        noise = noise / noise.sum(dim=-1, keepdim=True)
+        if self.kind == "adversarial":
+            noise = self.wrong_mass(workflows, probs.shape)
+        else:  # normalised Exp(1) draws are uniform on the simplex
+            noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=self.generator)
+            noise = noise / noise.sum(dim=-1, keepdim=True)
         return (1 - self.eps) * probs + self.eps * noise.to(probs.dtype)
+
+    def wrong_mass(self, workflows, shape) -> torch.Tensor:
+        """[B, K, A+1]: at each step, mass spread over the agents that will not be called then."""
+        end = shape[-1] - 1
+        out = torch.zeros(shape, dtype=torch.float64)
+        for b, w in enumerate(workflows):
+            ran = sorted({self.index[a] for a in w.agents if a in self.index})
+            for k in range(shape[1]):
+                truth = self.index.get(w.future_agents[k], -1) if k < len(w.future_agents) else end
+                wrong = [i for i in ran if i != truth] or [i for i in range(end) if i != truth]
+                out[b, k, wrong] = 1.0 / len(wrong)
+        return out

@@ -102,6 +102,19 @@ def checkpoint_metrics(path: str) -> dict:
     return dict(read_checkpoint(path).get("metrics", {}))
 
 
+TRUST_OPTIONS = ("trust_threshold", "trust_margin", "trust_window")
+
+
+def trust_modes(cfg: DictConfig) -> list[str]:
+    """pbkv.trust: one mode or a list of them (evaluate compares adaptive with always)."""
+    modes = cfg.pbkv.trust
+    return [modes] if isinstance(modes, str) else list(modes)
+
+
+def noisy_source(cfg: DictConfig, source):
+    return NoisySource(source, cfg.predictor.noise, cfg.seed, kind=cfg.predictor.get("noise_kind", "uniform"))
+
+
 def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
     """(policy, prefetch mode, what drives its predictions, simulate() keyword arguments) for each
     requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source."""
@@ -116,9 +129,13 @@ def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
         elif name in PREDICTIVE:
             source, label = ((learned[0], learned[1]["family"]) if name == "pbkv"
                              else (PerfectSource(agent_names, cfg.pbkv.horizon), "perfect"))
-            for mode in cfg.prefetch:
-                noisy = NoisySource(source, cfg.predictor.noise, cfg.seed)
-                yield name, mode, label, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
+            # the learned predictor runs under each requested trust mode; the perfect one is a bound
+            for trust in (trust_modes(cfg) if name == "pbkv" else ["always"]):
+                options = {"trust": trust, **{k: cfg.pbkv[k] for k in TRUST_OPTIONS}}
+                for mode in cfg.prefetch:
+                    noisy = noisy_source(cfg, source)
+                    yield name, mode, label, dict(policy="pbkv", policy_options=options, prefetch=mode,
+                                                  predictions=noisy, gamma=cfg.pbkv.gamma, trust=trust)
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
             for mode in cfg.prefetch:
                 yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=cfg.pbkv.gamma,
@@ -142,8 +159,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     rows = []
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
-        rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
-        log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
+        fields = {"noise": noise, "predictor": label, "trust": kwargs.pop("trust", "none")}
+        if name in PREDICTIVE:
+            fields["noise_kind"] = cfg.predictor.get("noise_kind", "uniform")
+        rows.append(setting.run(workflows, name, mode, kwargs, **fields))
+        log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
     if cfg.kv.budget:
         from models.intentkv.replay import prune_workflows  # torch scoring, only needed here
 

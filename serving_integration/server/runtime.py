@@ -51,6 +51,10 @@ class PluginConfig:
     horizon: int = 3  # K of kvflow's step graph (a checkpoint brings its own)
     gamma: float = 0.5  # PBKV's lookahead discount
     hold_step: int = 3  # kvflow
+    trust: str = "adaptive"  # pbkv: adaptive (lifecycle-aware LRU while predictions are poor) | always
+    trust_threshold: float = 0.5  # pbkv adaptive trust: see policies.TrustMeter
+    trust_margin: float = 0.1
+    trust_window: int = 32
     prefetch: str | None = None  # none | conservative | aggressive; default per policy (above)
     predictor_device: str = "cpu"
     predictor_timeout_s: float | None = 0.05  # None or 0: no timeout (needed for TP > 1, see docs)
@@ -229,7 +233,10 @@ class WorkflowRuntime:
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
-        options = {"hold_step": config.hold_step} if policy_name == "kvflow" else {}
+        options = ({"hold_step": config.hold_step} if policy_name == "kvflow" else
+                   {"trust": config.trust, "trust_threshold": config.trust_threshold,
+                    "trust_margin": config.trust_margin, "trust_window": config.trust_window}
+                   if policy_name == "pbkv" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.fallback = LifecycleLRU(self.ledger)
         self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
@@ -291,7 +298,10 @@ class WorkflowRuntime:
         if tag is None:
             return
         wf = self._live(tag)
-        wf.running.add(req.rid)
+        if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
+            wf.running.add(req.rid)
+            if self.policy.observe_call(wf.id, tag.agent):
+                self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
         for node_id in path_node_ids:
             self.ledger.record_access(node_id, wf.id, tag.agent)
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
@@ -404,7 +414,9 @@ class WorkflowRuntime:
     def snapshot(self) -> dict:
         counts = self.stats.as_dict()
         prefetched = counts.get("prefetched_tokens", 0)
+        meter = getattr(self.policy, "meter", None)
         return {"policy": self.policy_name, "prefetch": self.prefetch.mode, "degraded": self.degraded,
+                "trusted": meter.trusted if meter else None, "prediction_quality": meter.quality if meter else None,
                 "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
                 "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
                 "config": asdict(self.config), "counters": counts}

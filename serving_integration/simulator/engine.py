@@ -242,6 +242,8 @@ class Simulator:
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
+        if self.policy.observe_call(r.wf.id, call.agent):
+            tree.reprioritize()
         for node in path:
             self.ledger.record_access(node.id, r.wf.id, call.agent)
             if node.id in self.prefetched:  # prefetched, and read before it was evicted
@@ -418,4 +420,8 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, *
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
-    return summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    out = summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    meter = getattr(sim.policy, "meter", None)  # pbkv's adaptive trust: what it measured
+    if meter is not None:
+        out.update(prediction_quality=meter.quality, trust_switches=meter.switches, trusted_at_end=meter.trusted)
+    return out
