@@ -3,6 +3,8 @@ and determinism of whole replays."""
 
 import math
 
+import torch
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -132,3 +134,28 @@ def test_more_memory_helps_lru_and_the_oracle_beats_it():
     assert oracle["hit_rate"] >= small["hit_rate"]
     assert large["recomputed_tokens"] == 0  # nothing is ever evicted
     assert math.isclose(large["hit_rate"] + (large["host_hit_tokens"] + large["miss_tokens"]) / large["prompt_tokens"], 1)
+
+
+def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
+    from serving_integration.cache.predictions import NoisySource
+
+    workflows = small_workload("hover", 60, 3)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    adversarial = NoisySource(PerfectSource(names, 3), 1.0, seed=0, kind="adversarial")
+    live = [Simulator([w], SimConfig(), H100).workflows[0] for w in workflows[:5]]
+    for w in live:
+        w.next_call = 1
+    probs = adversarial.predict(live)
+    truth = PerfectSource(names, 3).predict(live)
+    assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[:2], dtype=probs.dtype))
+    assert float((probs * truth).sum()) == 0.0  # no mass on what comes next
+    with pytest.raises(ValueError, match="noise_kind"):
+        NoisySource(PerfectSource(names, 3), 0.5, seed=0, kind="gaussian")
+    config = SimConfig(gpu_tokens=150_000, concurrency=16)
+    run = lambda trust: simulate(workflows, config, H100, policy="pbkv", policy_options={"trust": trust},
+                                 predictions=NoisySource(PerfectSource(names, 3), 1.0, seed=0, kind="adversarial"))
+    always, adaptive = run("always"), run("adaptive")
+    lae = simulate(workflows, config, H100, policy="pbkv_lae")
+    assert adaptive["trust_switches"] >= 1 and not adaptive["trusted_at_end"] and adaptive["prediction_quality"] < 0.1
+    assert always["hit_rate"] < lae["hit_rate"] - 0.01  # misled by the noise
+    assert adaptive["hit_rate"] >= lae["hit_rate"] - 0.01
