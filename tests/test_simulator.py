@@ -159,3 +159,37 @@ def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
     assert adaptive["trust_switches"] >= 1 and not adaptive["trusted_at_end"] and adaptive["prediction_quality"] < 0.1
     assert always["hit_rate"] < lae["hit_rate"] - 0.01  # misled by the noise
     assert adaptive["hit_rate"] >= lae["hit_rate"] - 0.01
+
+
+def test_online_backoff_learns_served_transitions_and_new_agents():
+    from types import SimpleNamespace
+
+    from serving_integration.cache.predictions import OnlineBackoff, tell_finished
+
+    class Stubborn:  # a trained predictor that always says "planner" next, and knows no "auditor"
+        agent_names, horizon = ["<unk>", "coder", "planner"], 2
+
+        def predict(self, workflows):
+            probs = torch.zeros(len(workflows), 2, 4)
+            probs[:, :, 2] = 1.0
+            return probs
+
+    source = OnlineBackoff(Stubborn(), beta=2.0)
+    for i in range(30):  # served workflows: coder -> auditor -> END
+        w = SimpleNamespace(id=f"w{i}", agents=["coder"])
+        source.predict([w])
+        w.agents.append("auditor")
+        source.predict([w])
+        tell_finished(source, w)
+    assert source.agent_names == ["<unk>", "coder", "planner", "auditor"]  # grown in place
+    probs = source.predict([SimpleNamespace(id="new", agents=["coder"])])
+    assert probs.shape == (1, 2, 5) and torch.allclose(probs.sum(-1), torch.ones(1, 2, dtype=probs.dtype))
+    assert probs[0, 0, 3] > 0.9  # auditor next, learnt while serving
+    assert probs[0, 1, 4] > 0.9  # then END
+    assert source.weights[1] > 0.9 and source.observed >= 30
+    # the simulator folds finished workflows in too
+    workflows = small_workload("swebench", 20, 0)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    online = OnlineBackoff(StaticGraphSource([["planner", "coder"]], 3))
+    simulate(workflows, SimConfig(gpu_tokens=300_000, concurrency=4), H100, policy="pbkv", predictions=online)
+    assert online.observed > 0 and set(names[1:]) <= set(online.agent_names)

@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from data import store
 from data.atomic import write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
-from serving_integration.cache.predictions import (ModelSource, NoisySource, PerfectSource, StaticGraphSource,
-                                             vocabulary)
+from serving_integration.cache.predictions import (ModelSource, NoisySource, OnlineBackoff, PerfectSource,
+                                                   StaticGraphSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.presentation import make_row
 from serving_integration.simulator.engine import SimConfig, simulate
@@ -111,6 +111,11 @@ def trust_modes(cfg: DictConfig) -> list[str]:
     return [modes] if isinstance(modes, str) else list(modes)
 
 
+def online(cfg: DictConfig, source):
+    """predictor.online: a fresh OnlineBackoff per run (it learns from the run's own workflows)."""
+    return OnlineBackoff(source, cfg.predictor.online_beta) if cfg.predictor.get("online", False) else source
+
+
 def noisy_source(cfg: DictConfig, source):
     return NoisySource(source, cfg.predictor.noise, cfg.seed, kind=cfg.predictor.get("noise_kind", "uniform"))
 
@@ -133,7 +138,7 @@ def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
             for trust in (trust_modes(cfg) if name == "pbkv" else ["always"]):
                 options = {"trust": trust, **{k: cfg.pbkv[k] for k in TRUST_OPTIONS}}
                 for mode in cfg.prefetch:
-                    noisy = noisy_source(cfg, source)
+                    noisy = noisy_source(cfg, online(cfg, source) if name == "pbkv" else source)
                     yield name, mode, label, dict(policy="pbkv", policy_options=options, prefetch=mode,
                                                   predictions=noisy, gamma=cfg.pbkv.gamma, trust=trust)
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
@@ -157,6 +162,8 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                       instantiate(cfg.cost_model))
     learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
     rows = []
+    if learned:
+        learned[1]["online_backoff"] = bool(cfg.predictor.get("online", False))
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
         fields = {"noise": noise, "predictor": label, "trust": kwargs.pop("trust", "none")}

@@ -31,7 +31,7 @@ import torch
 
 from data.atomic import atomic_file
 from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class PluginConfig:
     horizon: int = 3  # K of kvflow's step graph (a checkpoint brings its own)
     gamma: float = 0.5  # PBKV's lookahead discount
     hold_step: int = 3  # kvflow
+    online_backoff: bool = True  # pbkv: fold served transitions into counts mixed with the model (OnlineBackoff)
+    online_beta: float = 10.0
     trust: str = "adaptive"  # pbkv: adaptive (lifecycle-aware LRU while predictions are poor) | always
     trust_threshold: float = 0.5  # pbkv adaptive trust: see policies.TrustMeter
     trust_margin: float = 0.1
@@ -209,9 +211,10 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
             return StaticGraphSource([[c.agent for c in w.calls] for w in train], config.horizon)
         if policy != "kvflow" and config.checkpoint:
             from models import load_predictor
-            from serving_integration.cache.predictions import ModelSource
+            from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 
-            return ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
+            source = ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
+            return OnlineBackoff(source, config.online_beta) if config.online_backoff else source
     except Exception as e:  # noqa: BLE001
         stats.count("predictor_unavailable")
         log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
@@ -324,7 +327,9 @@ class WorkflowRuntime:
 
     def end_workflow(self, workflow_id: str) -> None:
         self.ledger.end(workflow_id)
-        self.workflows.pop(workflow_id, None)
+        wf = self.workflows.pop(workflow_id, None)
+        if wf is not None and self.predictor is not None:
+            tell_finished(self.predictor.source, wf)
         self.to_predict.pop(workflow_id, None)
         self.stats.count("workflows_ended")
 

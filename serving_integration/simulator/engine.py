@@ -31,7 +31,7 @@ import numpy as np
 from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.radix import Node, RadixTree
 
@@ -339,6 +339,7 @@ class Simulator:
             self.counters.latencies.append(self.now - wf.start_time)
             del self.live[wf.id]
             tree.refresh_ids(self.ledger.end(wf.id))
+            tell_finished(self.predictions, wf)
             self._start_workflows()
         if self.future:
             self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
