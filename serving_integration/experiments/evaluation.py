@@ -56,6 +56,9 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
     """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
     recipe = {"family": cfg.predictor.train, "data": str(Path(dataset_path).resolve()), "seed": cfg.seed,
               "horizon": cfg.pbkv.horizon}
+    overrides = list(cfg.predictor.get("train_overrides") or [])
+    if overrides:
+        recipe["overrides"] = overrides
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
     if not (run / "predictor.pt").is_file():
@@ -65,7 +68,7 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
         log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
         subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
                         f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                        "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+                        "logger=csv", f"hydra.run.dir={tmp}", *overrides], cwd=REPO, check=True)
         try:
             tmp.rename(run)
         except OSError:  # another job got there first; its checkpoint is the same recipe's
