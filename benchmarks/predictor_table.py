@@ -36,25 +36,30 @@ def cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
+def format_table(paths: list[Path], metrics: list[str], split: str = "test") -> str:
+    """The Markdown table: one row per family, one column per (metric, k)."""
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for run in find_runs(paths):
+        values = json.loads((run / "metrics.json").read_text())
+        by_family[read_checkpoint(values["checkpoint"])["family"]].append(values)
+    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "_k" in k)
+    columns = [(m, k) for m in metrics for k in range(1, horizon + 1)]
+    lines = ["| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
+        runs = by_family[family]
+        cells = [cell([r[f"{split}/{m}_k{k}"] for r in runs]) for m, k in columns]
+        lines.append(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories holding them")
     parser.add_argument("--metric", nargs="+", default=["top1"], help="top1 top3 nll ece end_acc")
     parser.add_argument("--split", default="test", choices=["val", "test"])
     args = parser.parse_args()
-
-    by_family: dict[str, list[dict]] = defaultdict(list)
-    for run in find_runs(args.runs):
-        metrics = json.loads((run / "metrics.json").read_text())
-        by_family[read_checkpoint(metrics["checkpoint"])["family"]].append(metrics)
-    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "_k" in k)
-    columns = [(m, k) for m in args.metric for k in range(1, horizon + 1)]
-    print("| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
-    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
-        runs = by_family[family]
-        cells = [cell([r[f"{args.split}/{m}_k{k}"] for r in runs]) for m, k in columns]
-        print(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
+    print(format_table(args.runs, args.metric, args.split))
 
 
 if __name__ == "__main__":

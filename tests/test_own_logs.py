@@ -33,7 +33,7 @@ def help_desk_logs(n: int, seed: int = 0) -> list[str]:
         for step, agent in enumerate(path):
             messages = [{"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": ticket}, *transcript]
             completion = f"{agent} output {i}.{step} " + "details " * int(rng.integers(20, 200))
-            lines.append(json.dumps({"workflow_id": f"ticket-{i}", "agent": agent, "step": step,
+            lines.append(json.dumps({"workflow_id": f"ticket-{i}", "workload": "help_desk", "agent": agent, "step": step,
                                      "messages": messages, "completion": completion}))
             transcript.append({"role": "assistant", "content": completion})
     return lines
@@ -59,7 +59,7 @@ def test_own_chat_logs_import_train_evaluate(tmp_path):
     assert 0.0 <= metrics["test/top1_k1"] <= 1.0
 
     overrides = "[" + ",".join(f"'{o}'" for o in FAST_TRAINING) + "]"
-    run("evaluate.py", f"data.path={data}", "data.name=help_desk", "predictor.train=graphsage", f"predictor.train_overrides={overrides}",
+    run("evaluate.py", f"data.path={data}", "predictor.train=graphsage", f"predictor.train_overrides={overrides}",
         f"predictor.cache_dir={tmp_path / 'predictors'}", "policies=[lru,pbkv_lae,pbkv]", "prefetch=[none]",
         "sim.gpu_tokens=20000", "sim.concurrency=4", "wandb.enabled=false", f"hydra.run.dir={tmp_path / 'eval'}")
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())

@@ -158,11 +158,12 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     ds = store.resolve(cfg.data)
     workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
     if not workflows:
-        raise ValueError(f"split '{cfg.split}' of {cfg.data.name} has no workflows")
+        raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
     train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    setting = Setting(cfg, SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
-                      instantiate(cfg.cost_model))
+    setting = Setting(SimConfig(**{k: v for k, v in cfg.sim.items() if k != "n_workflows"}),
+                      instantiate(cfg.cost_model), workload=ds.workload, horizon=cfg.pbkv.horizon,
+                      gamma=cfg.pbkv.gamma, seed=cfg.seed)
     learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
     rows = []
     if learned:
@@ -190,15 +191,16 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 class Setting:
-    """One workload setting (config, simulator sizes, cost model): runs a policy, returns its row."""
+    """One workload setting (simulator sizes, cost model, the labels every row of it carries): runs a
+    policy, returns its row. `workload` is the dataset's own name (its meta.json), not the config's."""
 
-    def __init__(self, cfg: DictConfig, sim: SimConfig, cost):
-        self.cfg, self.sim, self.cost = cfg, sim, cost
+    def __init__(self, sim: SimConfig, cost, **labels):
+        self.sim, self.cost = sim, cost
+        self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
+                       "cost_model": cost.name}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)
-        labels = {"workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
-                  "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency,
-                  "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma, "cost_model": self.cost.name,
-                  "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed}
-        return make_row({**labels, **fields}, result)
+        labels = {**self.labels, "policy": policy, "prefetch": prefetch, "workflows": len(workflows),
+                  "calls": sum(len(w.calls) for w in workflows), **fields}
+        return make_row(labels, result)
