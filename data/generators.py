@@ -106,6 +106,7 @@ class Workload:
             self.run(wf, rng)
             calls.extend(wf.finish())
         meta = {"format": "generated", "workload": self.name, "n_workflows": n_workflows, "seed": seed,
+                "template_holdout": bool(getattr(getattr(self, "text", None), "template_holdout", False)),
                 "tokenizer": f"task text: {counter.name}; other segments: drawn counts"}
         return Traces(calls, segments, meta)
 
@@ -202,15 +203,15 @@ class Hover(Workload):
     probability cue_noise the claim is written with another hop count); whether the verifier asks
     for one more hop is a hidden outcome the text does not reveal. Claims are compositional
     (data/task_text.py): a predicate over a chain of relations, each paraphrased, among distractor
-    sentences; thousands of templates, a share of them held out of train.
+    sentences; thousands of templates, split so that val / test templates are unseen in train.
     """
 
     name = "hover"
 
     def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
                  passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
-                 system_prompt_tokens=None, cue_noise=0.1, template_holdout=True, holdout_share=0.2):
-        self.text = TaskSpace("hover", cue_noise, template_holdout, holdout_share)
+                 system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.hop_probs = np.asarray(hop_probs, dtype=float) / np.sum(hop_probs)
         self.extra_hop_prob = extra_hop_prob
         self.passages_per_search = tuple(passages_per_search)
@@ -303,9 +304,8 @@ class SweBench(Workload):
     name = "swebench"
 
     def __init__(self, difficulty_probs=None, fail_prob=None, max_attempts=6, replan_after=3,
-                 test_seconds=20.0, system_prompt_tokens=None, cue_noise=0.1, template_holdout=True,
-                 holdout_share=0.2):
-        self.text = TaskSpace("swebench", cue_noise, template_holdout, holdout_share)
+                 test_seconds=20.0, system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.difficulty_probs = difficulty_probs or {"easy": 0.35, "medium": 0.4, "hard": 0.25}
         self.fail_prob = fail_prob or {"easy": 0.15, "medium": 0.45, "hard": 0.7}
         self.max_attempts = max_attempts
@@ -381,8 +381,8 @@ class FinanceBench(Workload):
     _filing_median = {"lookup": 2000, "ratio": 3500, "trend": 6000}
 
     def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None,
-                 cue_noise=0.1, template_holdout=True, holdout_share=0.2):
-        self.text = TaskSpace("financebench", cue_noise, template_holdout, holdout_share)
+                 cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.type_probs = type_probs or {"lookup": 0.4, "ratio": 0.35, "trend": 0.25}
         self.retrieval_seconds = retrieval_seconds
         self.react_steps = react_steps or {"retriever": 3, "analyst": 1, "calculator": 2, "writer": 1}

@@ -14,7 +14,6 @@ without bearing on the task, so counting words does not recover the latent.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -26,13 +25,6 @@ def pick(rng: np.random.Generator, options: Sequence):
 
 def template_id(*parts) -> str:
     return "-".join(str(p) for p in parts)
-
-
-def is_held_out(template: str, share: float, salt: str) -> bool:
-    """A stable share of templates (by hash, independent of the seed and of how many workflows are
-    drawn) forms the held-out group."""
-    digest = hashlib.sha256(f"{salt}:{template}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
 def noisy_cue(rng: np.random.Generator, value, values: Sequence, cue_noise: float):
@@ -48,14 +40,10 @@ def noisy_cue(rng: np.random.Generator, value, values: Sequence, cue_noise: floa
 class TaskSpace:
     """What each generator shares: the holdout and cue-noise settings and the draw of a text."""
 
-    def __init__(self, salt: str, cue_noise: float = 0.0, template_holdout: bool = True,
-                 holdout_share: float = 0.2, max_distractors: int = 2):
+    def __init__(self, cue_noise: float = 0.0, template_holdout: bool = True, max_distractors: int = 2):
         if not 0.0 <= cue_noise <= 1.0:
             raise ValueError(f"workload.cue_noise must be in [0, 1]; got {cue_noise}")
-        if not 0.0 < holdout_share < 1.0:
-            raise ValueError(f"workload.holdout_share must be in (0, 1); got {holdout_share}")
-        self.salt, self.cue_noise, self.template_holdout = salt, cue_noise, template_holdout
-        self.holdout_share, self.max_distractors = holdout_share, max_distractors
+        self.cue_noise, self.template_holdout, self.max_distractors = cue_noise, template_holdout, max_distractors
 
     def cue(self, rng, value, values):
         return noisy_cue(rng, value, values, self.cue_noise)
@@ -69,8 +57,5 @@ class TaskSpace:
 
     def latent(self, template: str, cue, **latent) -> dict:
         """The latent as recorded in the calls' `latent` column: the hidden variables that decide the
-        path, the template and its group, and the cue the text shows."""
-        out = {**latent, "template": template, "cue": cue}
-        if self.template_holdout:
-            out["held_out"] = is_held_out(template, self.holdout_share, self.salt)
-        return out
+        path, the task template and the cue the text shows."""
+        return {**latent, "template": template, "cue": cue}

@@ -74,16 +74,16 @@ def test_cue_noise_weakens_the_text_and_tasks_do_not_repeat(name, key):
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
-def test_held_out_templates_are_only_in_val_and_test(name):
+def test_val_and_test_templates_are_unseen_in_train(name):
     from data.store import build
 
     ds = build(WORKLOADS[name]().generate(400, 0), val=0.1, test=0.1, seed=0)
     templates = {s: {json.loads(r["latent"])["template"] for r in ds.rows(s)} for s in ("train", "val", "test")}
-    held = {s: {json.loads(r["latent"])["held_out"] for r in ds.rows(s)} for s in templates}
-    assert held == {"train": {False}, "val": {True}, "test": {True}}
     assert not templates["test"] & templates["train"] and not templates["val"] & templates["train"]
-    assert ds.meta["split"]["held_out_workflows"] == ds.meta["splits"]["val"]["workflows"] + ds.meta["splits"]["test"]["workflows"]
+    assert ds.meta["split"]["by"] == "template"
+    assert 30 <= ds.meta["splits"]["test"]["workflows"] <= 40 and 30 <= ds.meta["splits"]["val"]["workflows"] <= 40
     plain = build(WORKLOADS[name](template_holdout=False).generate(400, 0), val=0.1, test=0.1, seed=0)
+    assert plain.meta["split"]["by"] == "workflow"
     assert {json.loads(r["latent"])["template"] for r in plain.rows("test")} & {
         json.loads(r["latent"])["template"] for r in plain.rows("train")}  # without holdout they overlap
 
