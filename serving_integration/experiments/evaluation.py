@@ -45,7 +45,7 @@ from serving_integration.experiments.presentation import make_row
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository root (train.py)
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
 # every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents
