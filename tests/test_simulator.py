@@ -14,7 +14,7 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.simulator.engine import SimConfig, Simulator, simulate
+from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -101,6 +101,11 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page)
     assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
     assert counters.prefetch_used_tokens <= counters.prefetched_tokens
     assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
+    assert counters.gpu_hit_tokens <= bound_metrics(sim)["bound_hit_tokens"]  # the run's own upper bound
+    # a workflow's latency is its tool time, admission wait, and the prefill, decode and PCIe time it ran through
+    split = (counters.time_tool_s + counters.time_queue_s + counters.time_prefill_s + counters.time_decode_s
+             + counters.time_pcie_s + counters.time_predictor_s)
+    assert split == pytest.approx(sum(counters.latencies), rel=1e-9)
 
 
 def test_same_input_same_summary():
