@@ -8,12 +8,13 @@ import time
 from hydra.utils import instantiate
 
 from data.cli import run_command, store_traces
+from data.generators import generate as generate_traces
 
 
 def generate(cfg) -> None:
     started = time.perf_counter()
     workload = instantiate(cfg.workload)
-    store_traces(workload.name, workload.generate(cfg.n_workflows, cfg.seed), cfg)
+    store_traces(workload.name, generate_traces(workload, cfg.n_workflows, cfg.seed), cfg)
     print(f"wrote {cfg.out} in {time.perf_counter() - started:.2f}s")
 
 

@@ -193,16 +193,18 @@ class GuardedPredictor:
 
 
 def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
-    """pbkv: the train.py checkpoint; kvflow: its static step graph from a trace dataset. A source
+    """pbkv: the train.py checkpoint; kvflow: the agent step graph of a trace dataset (the graph its
+    meta.json declares, else its train split's transitions). A source
     that cannot be built is logged and counted; the policy then runs as lifecycle-aware LRU."""
     try:
         if policy == "kvflow" and config.step_graph_traces:
             from data import store
-            from serving_integration.cache.predictions import StaticGraphSource
+            from serving_integration.cache.predictions import AgentStepGraph
             from serving_integration.cache.workload import workflows_from_rows
 
-            train = workflows_from_rows(store.load(config.step_graph_traces).rows("train"))
-            return StaticGraphSource([[c.agent for c in w.calls] for w in train], config.horizon)
+            dataset = store.load(config.step_graph_traces)
+            train = workflows_from_rows(dataset.rows("train"))
+            return AgentStepGraph.for_dataset(dataset.meta, [[c.agent for c in w.calls] for w in train], config.horizon)
         if policy != "kvflow" and config.checkpoint:
             from models import load_predictor
             from serving_integration.cache.predictions import ModelSource
@@ -350,7 +352,9 @@ class WorkflowRuntime:
             self.degraded = True
             self.stats.count("fallback_rounds")
             return
-        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs)
+        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow's step graph
+        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
+                                    graph_steps(batch) if graph_steps else None)
         self.degraded = False
 
     def retire_silent_workflows(self) -> None:

@@ -10,6 +10,13 @@ whole running batch one token per iteration. Between events, identical decode it
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
+The end of a workflow reaches the cache as a real client sends it: after its last call, once the
+client has decided to stop (`end_signal_delay_s` later; 0: with the last call). A share
+`end_signal_loss` of the end signals (drawn per workflow with `seed`) never arrives; the cache
+then retires a workflow after `inactivity_timeout_s` without calls, as the plugin does (a live
+workflow silent that long is retired too, and starts afresh with its next call). Until it is
+retired, a finished workflow is predicted, scored and prefetched for like any other.
+
 The predictor is called after every finished call, batched over the workflows whose call
 finished in the same iteration; its cost can be charged to the timeline. Conservative or
 aggressive prefetch runs in decode-only iterations and idle time, with the PCIe bandwidth of
@@ -46,6 +53,17 @@ class SimConfig:
     max_running_requests: int = 256
     predictor_cost_s: float = 0.0  # charged per batched predictor call
     charge_measured_predictor_time: bool = False  # charge the measured wall time instead (not reproducible)
+    end_signal_delay_s: float = 0.0  # the end signal arrives this long after a workflow's last call
+    end_signal_loss: float = 0.0  # share of end signals lost (seeded)
+    inactivity_timeout_s: float = math.inf  # retire a workflow silent this long
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.end_signal_loss <= 1.0:
+            raise ValueError(f"sim.end_signal_loss must be in [0, 1]; got {self.end_signal_loss}")
+        if self.end_signal_delay_s < 0 or not self.inactivity_timeout_s > 0:
+            raise ValueError("sim.end_signal_delay_s must be >= 0 and sim.inactivity_timeout_s > 0; got "
+                             f"{self.end_signal_delay_s} and {self.inactivity_timeout_s}")
 
 
 @dataclass(eq=False)
@@ -114,6 +132,9 @@ class Counters:
     prefetch_used_tokens: int = 0
     predictor_calls: int = 0
     predictor_time_s: float = 0.0
+    ended_by_signal: int = 0
+    ended_by_timeout: int = 0  # finished workflows whose end signal was lost
+    live_timeouts: int = 0  # live workflows retired by the timeout during a long tool call
     ttfts: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
 
@@ -147,6 +168,11 @@ class Simulator:
         self.ever_cached: set[int] = set()
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.counters = Counters()
+        lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
+        self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
+        self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
+        self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
+        self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
 
     # ------------------------------------------------------------------ tree callbacks
 
@@ -189,8 +215,12 @@ class Simulator:
     def run(self) -> Counters:
         self._start_workflows()
         while self.arrivals or self.waiting or self.prefilling or self.decoding:
+            self._retire_due()
             while self.arrivals and self.arrivals[0][0] <= self.now:
                 _, _, wf = heapq.heappop(self.arrivals)
+                self.idle_since.pop(wf.id, None)
+                if not self.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
+                    self.ledger.start(wf.id)
                 self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now))
             self._admit()
             if self.prefilling:
@@ -202,7 +232,7 @@ class Simulator:
                 raise ValueError(f"a call of workflow {self.waiting[0].wf.id} needs {need} KV tokens, more than "
                                  f"sim.gpu_tokens={self.config.gpu_tokens} can hold; raise sim.gpu_tokens")
             else:
-                t = self.arrivals[0][0]
+                t = min(self.arrivals[0][0], self._next_retirement())
                 self._prefetch(t - self.now)
                 self.now = t
                 continue
@@ -296,8 +326,9 @@ class Simulator:
         batch = len(self.decoding)
         kv = sum(r.context for r in self.decoding)
         steps = min(r.decode_left for r in self.decoding)
-        if self.arrivals:
-            gap = self.arrivals[0][0] - self.now
+        next_event = min(self.arrivals[0][0] if self.arrivals else INF, self._next_retirement())
+        if next_event < INF:
+            gap = next_event - self.now
             steps = max(1, min(steps, math.ceil(gap / self.cost.decode_step_s(batch, kv))))
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
         self._prefetch(seconds)
@@ -333,24 +364,71 @@ class Simulator:
         if wf.next_call < len(wf.calls):
             self._arrive_at(self.now + wf.calls[wf.next_call].tool_time, wf)
             self.to_predict.append(wf)
+            self._wait_for_call(wf)
         else:
             self.counters.latencies.append(self.now - wf.start_time)
             del self.live[wf.id]
-            tree.refresh_ids(self.ledger.end(wf.id))
+            self._end_of_workflow(wf)
             self._start_workflows()
         if self.future:
             self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
             self._refresh_future(wf)
 
+    # ------------------------------------------------------------------ end of workflows
+
+    def _wait_for_call(self, wf: SimWorkflow) -> None:
+        """wf's call finished: the inactivity timeout runs from now until its next call."""
+        self.idle_since[wf.id] = self.now
+        if self.config.inactivity_timeout_s < INF:
+            heapq.heappush(self.retirements, (self.now + self.config.inactivity_timeout_s, next(self._seq),
+                                              wf.id, self.now))
+
+    def _end_of_workflow(self, wf: SimWorkflow) -> None:
+        if wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0:
+            self.counters.ended_by_signal += 1
+            self.tree.refresh_ids(self.ledger.end(wf.id))
+            return
+        self.finished[wf.id] = wf
+        self.to_predict.append(wf)  # the cache does not know yet that this was the last call
+        self._wait_for_call(wf)
+        if wf.id not in self.lost_signal:
+            heapq.heappush(self.retirements, (self.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
+
+    def _valid(self, event) -> bool:
+        _, _, wf_id, stamp = event
+        if not self.ledger.is_live(wf_id):
+            return False
+        return stamp is None or self.idle_since.get(wf_id) == stamp
+
+    def _next_retirement(self) -> float:
+        while self.retirements and not self._valid(self.retirements[0]):
+            heapq.heappop(self.retirements)
+        return self.retirements[0][0] if self.retirements else INF
+
+    def _retire_due(self) -> None:
+        while self._next_retirement() <= self.now:
+            _, _, wf_id, stamp = heapq.heappop(self.retirements)
+            finished = self.finished.pop(wf_id, None) is not None
+            if stamp is None:
+                self.counters.ended_by_signal += 1
+            elif finished:
+                self.counters.ended_by_timeout += 1
+            else:
+                self.counters.live_timeouts += 1
+            self.idle_since.pop(wf_id, None)
+            self.tree.refresh_ids(self.ledger.end(wf_id))
+
     def _predict(self) -> None:
-        batch = [w for w in self.to_predict if w.id in self.live]
+        batch = [w for w in self.to_predict if self.ledger.is_live(w.id)]
         self.to_predict = []
         if not batch or self.predictions is None:
             return
         started = time.perf_counter()
         probs = self.predictions.predict(batch)
+        graph_steps = getattr(self.predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
+        steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
-        self.ledger.set_predictions([w.id for w in batch], self.predictions.agent_names, probs)
+        self.ledger.set_predictions([w.id for w in batch], self.predictions.agent_names, probs, steps)
         for w in batch:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
@@ -367,7 +445,7 @@ class Simulator:
         budget = self.cost.pcie_tokens(seconds)
         tree = self.tree
         candidates = {}
-        for wf_id in self.live:
+        for wf_id in itertools.chain(self.live, self.finished):
             if wf_id in self.running:
                 continue
             for node_id in self.ledger.nodes_of.get(wf_id, ()):
@@ -411,6 +489,9 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
         "prefetched_tokens": c.prefetched_tokens,
         "kv_tokens_read": c.kv_tokens_read,
         "predictor_calls": c.predictor_calls,
+        "ended_by_signal": c.ended_by_signal,
+        "ended_by_timeout": c.ended_by_timeout,
+        "live_timeouts": c.live_timeouts,
     }
 
 
