@@ -30,7 +30,7 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     summary, stdout = evaluate(tmp_path / "run", "wandb.enabled=false", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"]) for r in rows] == [
-        ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"),
+        ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("kvflow", "none"), ("pbkv_lae", "none"),
         ("pbkv", "none"), ("pbkv", "conservative"), ("pbkv_perfect", "none"), ("pbkv_perfect", "conservative"),
         ("oracle", "none"), ("oracle", "conservative")]
     for r in rows:
@@ -44,6 +44,25 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     for png in ("hit_rate.png", "latency.png"):
         assert (tmp_path / "run" / png).stat().st_size > 10_000
     assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
+    assert summary["kvflow_graph"]["origin"] == "declared" and summary["kvflow_graph"]["kind"] == "transitions"
+    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "aggressive"]["prefetched_tokens"]
+    assert summary["end_signal"]["delay_s"] > 0 and summary["end_signal"]["inactivity_timeout_s"] > 1
+
+
+def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
+    summary, _ = evaluate(tmp_path / "seeds", "wandb.enabled=false", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
+                          "sim.end_signal_loss=0.5", cache=cache)
+    assert len(summary["seed_rows"]) == 6 and len(summary["rows"]) == 2
+    for r in summary["rows"]:
+        assert r["seeds"] == [0, 1, 2] and r["end_signal_loss"] == 0.5
+        values = r["hit_rate_per_seed"]
+        assert len(set(values)) == 3  # a different workload per seed
+        assert r["hit_rate"] == pytest.approx(sum(values) / 3)
+        assert 0 < r["hit_rate_ci95"] and r["mean_workflow_latency_s_ci95"] > 0
+        assert min(values) < r["hit_rate"] + r["hit_rate_ci95"] and max(values) > r["hit_rate"] - r["hit_rate_ci95"]
+    lae = [r for r in summary["seed_rows"] if r["policy"] == "pbkv_lae"]
+    assert all(r["ended_by_timeout"] + r["ended_by_signal"] <= r["workflows"] for r in lae)
+    assert sum(r["ended_by_timeout"] for r in lae) > 0
 
 
 def test_same_config_same_summary_and_wandb_offline(tmp_path, cache):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig
 
 # A summary.json row = these labels (with their defaults) + the replay's metrics
@@ -15,9 +16,12 @@ ROW_LABELS = {
     "noise": 0.0, "predictor": "none", "horizon": None, "gamma": None,
     "layout": "none", "kv_method": "none", "kv_budget": None,
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
+    "split": "test",  # the replayed split: knobs are chosen on val, claims made on test
+    "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
-SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma")
+SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
+           "end_signal_loss")
 
 
 def make_row(labels: dict, metrics: dict) -> dict:
@@ -28,13 +32,49 @@ def make_row(labels: dict, metrics: dict) -> dict:
     return {**ROW_LABELS, **labels, **metrics}
 
 
+def aggregate_seeds(rows: list[dict]) -> list[dict]:
+    """One row per setting and method over the seeds of `rows`: each metric's mean, its 95%
+    confidence interval `{metric}_ci95` (half-width, Student t with n-1 degrees of freedom; None
+    for one seed) and `{metric}_per_seed`; `seeds` lists the seeds, `workflows` and `calls` are totals."""
+    from scipy import stats
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = tuple(repr(r.get(k)) for k in ROW_LABELS if k not in ("seed", "workflows", "calls"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for group in groups.values():
+        first = group[0]
+        row = {k: first.get(k) for k in ROW_LABELS}
+        row.update(seed=None, seeds=[r["seed"] for r in group], workflows=sum(r["workflows"] for r in group),
+                   calls=sum(r["calls"] for r in group))
+        for name in first:
+            if name in ROW_LABELS:
+                continue
+            values = [r.get(name) for r in group]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                row[name] = first[name] if len(group) == 1 else None
+                continue
+            n = len(values)
+            row[name] = float(np.mean(values))
+            row[f"{name}_ci95"] = (float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
+                                   if n > 1 else None)
+            row[f"{name}_per_seed"] = values
+        out.append(row)
+    return out
+
+
 def row_label(r: dict) -> str:
     """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)], or kv/LAYOUT.
-    The prefetch mode is named where it is a choice (not KVFlow's own, not 'none')."""
+    The prefetch mode is named where it is a choice (not KVFlow's own aggressive one, not 'none'
+    except for KVFlow without its prefetch)."""
     if r["comparison"] == "kv":
         return f"kv/{r['layout']}"
     name = r["policy"]
-    if r["prefetch"] != "none" and r["policy"] != "kvflow":
+    if r["policy"] == "kvflow":
+        if r["prefetch"] != "aggressive":
+            name += f"+{r['prefetch']}"
+    elif r["prefetch"] != "none":
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
