@@ -290,7 +290,7 @@ class WorkflowRuntime:
     def on_cached(self, req, path_node_ids: list[int]) -> None:
         """The request's tokens are in the tree along `path_node_ids` (SGLang's checkpoint)."""
         tag = self.tag_of(req)
-        if tag is None:
+        if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
         wf = self._live(tag)
         wf.running.add(req.rid)
@@ -304,6 +304,11 @@ class WorkflowRuntime:
         tag = self.tag_of(req)
         self.tags.pop(getattr(req, "rid", None), None)
         if tag is None:
+            return
+        if tag.end_signal:  # sent after the workflow's last call returned
+            self.stats.count("end_signals")
+            if tag.workflow_id in self.workflows:
+                self.end_workflow(tag.workflow_id)
             return
         wf = self._live(tag)
         wf.running.discard(req.rid)
