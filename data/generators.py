@@ -11,7 +11,7 @@ do not depend on how many are generated.
 
 Each workload also declares what its definition says about the path, stored in the dataset's
 meta.json by `generate`: `agent_graph` (the static pipeline, or the possible transitions of a
-dynamic workflow: the Agent Step Graph KVFlow reads, docs/policies.md) and `bayes_ceiling` (the
+dynamic workflow: the Agent Step Graph KVFlow reads, cache/predictions.py AgentStepGraph) and `bayes_ceiling` (the
 best top-1 any predictor can reach at each step k when it knows the latent the task text reveals
 and the whole history; Monte Carlo over the generator, docs/predictors.md).
 """

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from data.cli import CONF_DIR
 from tests.conftest import REPO
 
-EXPERIMENTS = ["memory", "concurrency", "horizon", "noise", "backbones", "who_and_when"]
+EXPERIMENTS = ["memory", "concurrency", "horizon", "noise", "backbones", "who_and_when", "end_signal"]
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,9 @@ class Simulator:
         self.counters = Counters()
         lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
         self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
+        # SGLang's own orders without prefetch never read the ledger: when a workflow is retired
+        # cannot change what they do, so they retire it with its last call (no extra events)
+        self.immediate_end = self.policy.served_by == "sglang" and not self.prefetch.enabled
         self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
         self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
         self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
@@ -379,12 +382,12 @@ class Simulator:
     def _wait_for_call(self, wf: SimWorkflow) -> None:
         """wf's call finished: the inactivity timeout runs from now until its next call."""
         self.idle_since[wf.id] = self.now
-        if self.config.inactivity_timeout_s < INF:
+        if self.config.inactivity_timeout_s < INF and not self.immediate_end:
             heapq.heappush(self.retirements, (self.now + self.config.inactivity_timeout_s, next(self._seq),
                                               wf.id, self.now))
 
     def _end_of_workflow(self, wf: SimWorkflow) -> None:
-        if wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0:
+        if self.immediate_end or (wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0):
             self.counters.ended_by_signal += 1
             self.tree.refresh_ids(self.ledger.end(wf.id))
             return
