@@ -39,6 +39,27 @@ def cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
+def format_table(paths: list[Path], metrics: list[str], split: str = "test") -> str:
+    """The Markdown table: one row per family, one column per (metric, k)."""
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for run in find_runs(paths):
+        values = json.loads((run / "metrics.json").read_text())
+        by_family[read_checkpoint(values["checkpoint"])["family"]].append(values)
+    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "/" in k and "_k" in k)
+    columns = [(m, k) for m in metrics for k in range(1, horizon + 1)]
+    lines = ["| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
+        runs = by_family[family]
+        cells = [cell([r[f"{split}/{m}_k{k}"] for r in runs]) for m, k in columns]
+        lines.append(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
+    ceilings = {json.dumps(r.get("bayes_ceiling"), sort_keys=True) for rs in by_family.values() for r in rs}
+    if len(ceilings) == 1 and (ceiling := json.loads(ceilings.pop())):
+        cells = [f"{ceiling[f'{m}_k{k}']:.3f}" if f"{m}_k{k}" in ceiling else "" for m, k in columns]
+        lines.append(f"| Bayes ceiling (knows {', '.join(ceiling.get('knows', []))}) | - | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories holding them")
@@ -46,23 +67,7 @@ def main() -> None:
                         help="top1 top1_alive top3 nll ece end_acc")
     parser.add_argument("--split", default="test", choices=["val", "test"])
     args = parser.parse_args()
-
-    by_family: dict[str, list[dict]] = defaultdict(list)
-    for run in find_runs(args.runs):
-        metrics = json.loads((run / "metrics.json").read_text())
-        by_family[read_checkpoint(metrics["checkpoint"])["family"]].append(metrics)
-    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "/" in k and "_k" in k)
-    columns = [(m, k) for m in args.metric for k in range(1, horizon + 1)]
-    print("| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
-    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
-        runs = by_family[family]
-        cells = [cell([r[f"{args.split}/{m}_k{k}"] for r in runs]) for m, k in columns]
-        print(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
-    ceilings = {json.dumps(r.get("bayes_ceiling"), sort_keys=True) for rs in by_family.values() for r in rs}
-    if len(ceilings) == 1 and (ceiling := json.loads(ceilings.pop())):
-        cells = [f"{ceiling[f'{m}_k{k}']:.3f}" if f"{m}_k{k}" in ceiling else "" for m, k in columns]
-        print(f"| Bayes ceiling (knows {', '.join(ceiling.get('knows', []))}) | - | " + " | ".join(cells) + " |")
+    print(format_table(args.runs, args.metric, args.split))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python -m data.import_traces format=chat|native|who_and_when src=PATH out=DIR"""
+"""python -m data.import_traces format=chat|native|who_and_when|tau_bench src=PATH out=DIR"""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import sys
 from data.cli import run_command, store_traces
 from data.formats import read_chat, read_native
 from data.schema import Traces
+from data.tau_bench import read_tau_bench
 from data.tokenizer import TokenCounter
 from data.who_and_when import read_who_and_when
 
-FORMATS = ("chat", "native", "who_and_when")
+FORMATS = ("chat", "native", "who_and_when", "tau_bench")
 
 
 def read_traces(format: str, src: str, skip_bad_lines: bool = False) -> Traces:
@@ -21,6 +22,8 @@ def read_traces(format: str, src: str, skip_bad_lines: bool = False) -> Traces:
         return read_chat(src, TokenCounter.wordpiece(), skip_bad_lines)
     if format == "who_and_when":
         return read_who_and_when(src, skip_bad_lines=skip_bad_lines)
+    if format == "tau_bench":
+        return read_tau_bench(src, skip_bad_lines=skip_bad_lines)
     raise ValueError(f"format must be one of {', '.join(FORMATS)}; got '{format}'")
 
 

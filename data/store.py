@@ -44,6 +44,17 @@ class TraceDataset:
         return [row for name in names for row in self.calls[name]]
 
     @property
+    def workload(self) -> str:
+        """The workload's own name: meta.json's (generated data), else the one name the calls carry
+        (imported data), else the dataset folder's name."""
+        if self.meta.get("workload"):
+            return self.meta["workload"]
+        names = {n for split in SPLITS for n in self.calls[split].unique("workload") if n}
+        if len(names) == 1:
+            return names.pop()
+        return self.path.name if self.path else "unnamed"
+
+    @property
     def n_workflows(self) -> int:
         return sum(self.meta["splits"][s]["workflows"] for s in SPLITS)
 

@@ -10,7 +10,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 REPO = Path(__file__).resolve().parents[1]
-WHO_AND_WHEN = Path(os.environ.get("PBKV_TRACES_DIR", REPO.parent / "shared" / "traces")) / "who_and_when"
+TRACES = Path(os.environ.get("PBKV_TRACES_DIR", REPO.parent / "shared" / "traces"))
+WHO_AND_WHEN = TRACES / "who_and_when"
+TAU_BENCH = TRACES / "tau_bench" / "gpt-4o-airline.json"
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,7 @@ ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "no
 
 def evaluate(run_dir, *overrides, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}",
-                           "data.source.n_workflows=60", "split=all", "sim.gpu_tokens=120000",
-                           "sim.concurrency=8", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "debug=evaluate", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text()), done.stdout
 
@@ -27,7 +26,7 @@ def cache(tmp_path_factory):
 
 
 def test_every_policy_one_table_and_plots(tmp_path, cache):
-    summary, stdout = evaluate(tmp_path / "run", "wandb.enabled=false", "prefetch=[none,conservative]", cache=cache)
+    summary, stdout = evaluate(tmp_path / "run", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"]) for r in rows] == [
         ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("kvflow", "none"), ("pbkv_lae", "none"),
@@ -50,7 +49,7 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
 
 
 def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
-    summary, _ = evaluate(tmp_path / "seeds", "wandb.enabled=false", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
+    summary, _ = evaluate(tmp_path / "seeds", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
                           "sim.end_signal_loss=0.5", cache=cache)
     assert len(summary["seed_rows"]) == 6 and len(summary["rows"]) == 2
     for r in summary["rows"]:
@@ -67,23 +66,23 @@ def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
 
 def test_same_config_same_summary_and_wandb_offline(tmp_path, cache):
     args = ("policies=[lru,pbkv]", "predictor.noise=0.2", "prefetch=[conservative]")
-    first, _ = evaluate(tmp_path / "a", "wandb.enabled=false", *args, cache=cache)
-    second, _ = evaluate(tmp_path / "b", "wandb.enabled=true", *args, cache=cache)
+    first, _ = evaluate(tmp_path / "a", *args, cache=cache)
+    second, _ = evaluate(tmp_path / "b", "wandb=default", *args, cache=cache)
     assert first["rows"] == second["rows"]
     assert list((tmp_path / "b" / "wandb").glob("offline-run-*"))
-    third, _ = evaluate(tmp_path / "c", "wandb.enabled=false", *args, "seed=1", cache=cache)
+    third, _ = evaluate(tmp_path / "c", *args, "seed=1", cache=cache)
     assert third["rows"][1]["hit_rate"] != first["rows"][1]["hit_rate"]
 
 
 def test_unknown_policy_is_a_clear_error(tmp_path, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={cache}",
-                           "data.source.n_workflows=20", "policies=[lru,arc]", "wandb.enabled=false"],
+                           "debug=evaluate", "policies=[lru,arc]"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr
 
 
 def test_kv_pruning_rows(tmp_path, cache):
-    summary, stdout = evaluate(tmp_path / "kv", "wandb.enabled=false", "policies=[lru]", "kv.budget=3000",
+    summary, stdout = evaluate(tmp_path / "kv", "policies=[lru]", "kv.budget=3000",
                                "kv.method=intent", "kv.layouts=[compaction,sentinel]", cache=cache)
     kv = {r["layout"]: r for r in summary["rows"] if r["comparison"] == "kv"}
     assert set(kv) == {"none", "compaction", "sentinel"}
@@ -92,3 +91,13 @@ def test_kv_pruning_rows(tmp_path, cache):
     assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
     assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
     assert "prefix_hit_rate" in stdout
+
+
+def test_rows_carry_the_datasets_own_workload_name(tmp_path):
+    from data import store
+    from data.generators import SweBench
+
+    data = store.save(store.build(SweBench().generate(12, seed=0), val=0.2, test=0.2, seed=0), tmp_path / "mine")
+    # data=hover is the config's default; the dataset given by path is swebench
+    summary, _ = evaluate(tmp_path / "run", f"data.path={data}", "policies=[lru]", cache=tmp_path)
+    assert {r["workload"] for r in summary["rows"]} == {"swebench"}

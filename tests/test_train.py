@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*treespec")
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = {"WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(ROOT / ".cache" / "huggingface"), "TOKENIZERS_PARALLELISM": "false"}
-TINY = ["model/text_encoder=hashing", "trainer.max_epochs=2", "datamodule.batch_size=64"]
+TINY = ["debug=train"]  # hashing text encoder, two epochs, batch 64, csv logger, 30 workflows
 
 
 def run_train(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -42,7 +42,7 @@ def dataset_dir(tmp_path_factory) -> Path:
 
 def test_train_with_data_path_and_run_dir(dataset_dir, tmp_path):
     run = tmp_path / "run"
-    run_train(["model=graphsage", f"data.path={dataset_dir}", f"hydra.run.dir={run}", "logger=csv", *TINY],
+    run_train(["model=graphsage", f"data.path={dataset_dir}", f"hydra.run.dir={run}", *TINY],
               tmp_path)
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics) == set(metric_keys(3)) | {"checkpoint"}
@@ -60,7 +60,7 @@ def test_train_with_data_path_and_run_dir(dataset_dir, tmp_path):
 
 def test_multirun_all_families_with_wandb_offline(tmp_path):
     sweep = tmp_path / "sweep"
-    run_train(["-m", "model=graphsage,rgcn,markov,intent_residual", "data.source.n_workflows=30",
+    run_train(["-m", "model=graphsage,rgcn,markov,intent_residual",
                f"hydra.sweep.dir={sweep}", "logger=wandb", *TINY], tmp_path)
     runs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.json").exists())
     assert [p.name.split("_", 1)[1] for p in runs] == ["graphsage", "rgcn", "markov", "intent_residual"]
@@ -83,7 +83,7 @@ def compose_train(overrides: list[str], run: Path):
 
 def test_same_config_gives_same_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
-    overrides = ["model=intent_residual", "data.source.n_workflows=30", "callbacks.rich_progress_bar=null", *TINY]
+    overrides = ["model=intent_residual", *TINY]
     first = train(compose_train(overrides, tmp_path / "a"), run_dir=tmp_path / "a")
     second = train(compose_train(overrides, tmp_path / "b"), run_dir=tmp_path / "b")
     keys = metric_keys(3)

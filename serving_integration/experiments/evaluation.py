@@ -187,11 +187,12 @@ def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
     """The rows of one replay of the configured split of dataset `ds`, with seed cfg.seed."""
     workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
     if not workflows:
-        raise ValueError(f"split '{cfg.split}' of {cfg.data.name} has no workflows")
+        raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
     train = workflows_from_rows(ds.rows("train"))
     train_sequences = [[c.agent for c in w.calls] for w in train]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    setting = Setting(cfg, sim_config(cfg, train), instantiate(cfg.cost_model))
+    setting = Setting(sim_config(cfg, train), instantiate(cfg.cost_model), workload=ds.workload,
+                      horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma, seed=cfg.seed, split=cfg.split)
     learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
     graph = AgentStepGraph.for_dataset(ds.meta, train_sequences, cfg.pbkv.horizon, agent_names)
     rows = []
@@ -216,16 +217,16 @@ def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
 
 
 class Setting:
-    """One workload setting (config, simulator sizes, cost model): runs a policy, returns its row."""
+    """One workload setting (simulator sizes, cost model, the labels every row of it carries): runs a
+    policy, returns its row. `workload` is the dataset's own name (its meta.json), not the config's."""
 
-    def __init__(self, cfg: DictConfig, sim: SimConfig, cost):
-        self.cfg, self.sim, self.cost = cfg, sim, cost
+    def __init__(self, sim: SimConfig, cost, **labels):
+        self.sim, self.cost = sim, cost
+        self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
+                       "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)
-        labels = {"workload": self.cfg.data.name, "policy": policy, "prefetch": prefetch,
-                  "gpu_tokens": self.sim.gpu_tokens, "concurrency": self.sim.concurrency,
-                  "horizon": self.cfg.pbkv.horizon, "gamma": self.cfg.pbkv.gamma, "cost_model": self.cost.name,
-                  "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows), "seed": self.cfg.seed,
-                  "split": self.cfg.split, "end_signal_loss": self.sim.end_signal_loss}
-        return make_row({**labels, **fields}, result)
+        labels = {**self.labels, "policy": policy, "prefetch": prefetch, "workflows": len(workflows),
+                  "calls": sum(len(w.calls) for w in workflows), **fields}
+        return make_row(labels, result)

@@ -172,9 +172,10 @@ def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) 
 
     rows = summary["rows"]
     policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
-    name = f"{cfg.data.name}-{policies}-gpu{cfg.sim.gpu_tokens}-c{cfg.sim.concurrency}"
+    workload = rows[0]["workload"]
+    name = f"{workload}-{policies}-gpu{cfg.sim.gpu_tokens}-c{cfg.sim.concurrency}"
     run = wandb.init(project=cfg.wandb.project, dir=str(run_dir), mode=cfg.wandb.mode, job_type="evaluate",
-                     group=cfg.data.name, name=name, config=summary["config"], reinit="finish_previous")
+                     group=workload, name=name, config=summary["config"], reinit="finish_previous")
     columns = list(rows[0])
     run.log({"summary": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows]),
              **{p.stem: wandb.Image(str(p)) for p in plots}})
