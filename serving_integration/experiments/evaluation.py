@@ -61,7 +61,7 @@ from serving_integration.experiments.presentation import aggregate_seeds, make_r
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
 # every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents
