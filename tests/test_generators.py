@@ -94,3 +94,21 @@ def test_system_prompts_are_shared_across_workflows():
     traces = Hover().generate(20, seed=0)
     sys_ids = {c["prompt_ids"][0] for c in traces.calls}
     assert sys_ids == {f"sys:hover:{a}" for a in ("retriever", "summarizer", "query_generator", "verifier")}
+
+
+def test_declared_agent_graph_and_bayes_ceiling():
+    from data.generators import generate
+
+    for name, make in WORKLOADS.items():
+        graph = make().generate(5, seed=0).meta["agent_graph"]
+        paths = [[c["agent"] for c in calls] for calls in by_workflow(make().generate(60, seed=1))]
+        if graph["kind"] == "pipeline":  # every workflow walks the declared pipeline
+            assert all(p == graph["steps"] for p in paths)
+        else:  # every transition a workflow takes is declared
+            assert all(p[0] in graph["start"] for p in paths)
+            assert all(b in graph["next"][a] for p in paths for a, b in zip(p, p[1:] + ["END"]))
+    static = FinanceBench().bayes_ceiling(horizon=3, n_workflows=200)
+    assert set(static.values()) == {1.0}  # a fixed pipeline: nothing to guess
+    hover = generate(Hover(), 30, seed=0).meta["bayes_ceiling"]
+    assert hover["knows"] == ["hops"] and 0.9 < hover["top1_k1"] < 1.0  # the extra hop is hidden from the text
+    assert hover["top1_k3"] < hover["top1_k1"] and hover["top1_alive_k1"] == hover["top1_k1"]
