@@ -10,12 +10,16 @@ both to W&B (offline unless WANDB_MODE says otherwise). Logic: serving_integrati
 """
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from data.atomic import check_output
+from data.config_checks import SCHEMAS, validate
+from data.errors import run_reported
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
@@ -24,7 +28,15 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    status = run_reported(run, cfg, Path(HydraConfig.get().runtime.output_dir))
+    if status:
+        sys.exit(status)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> None:
+    """Validate the config (data.config_checks) and the run directory, then evaluate."""
+    validate(cfg, SCHEMAS["evaluate"]())
+    check_output(run_dir, [cfg.data.path, cfg.predictor.checkpoint])
     summary = evaluate(cfg, run_dir)
     plots = plot(summary["rows"], run_dir)
     if cfg.wandb.enabled:

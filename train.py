@@ -8,15 +8,33 @@ The run directory gets metrics.json, predictor.pt (load it with models.load_pred
 Lightning checkpoints and the csv / wandb logs. The logic lives in models/training.py.
 """
 
+import sys
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from data.atomic import check_output
+from data.config_checks import SCHEMAS, validate
+from data.errors import run_reported
 from models.training import optimized_value, train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    return optimized_value(cfg, train(cfg))
+    result = []
+    status = run_reported(lambda: result.append(run(cfg, Path(HydraConfig.get().runtime.output_dir))))
+    if status:
+        sys.exit(status)
+    return result[0]
+
+
+def run(cfg: DictConfig, run_dir: Path) -> float | None:
+    """Validate the config (data.config_checks) and the run directory, then train."""
+    validate(cfg, SCHEMAS["train"]())
+    check_output(run_dir, [cfg.data.get("path")])
+    return optimized_value(cfg, train(cfg, run_dir))
 
 
 if __name__ == "__main__":

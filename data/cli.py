@@ -1,5 +1,6 @@
 """Shared plumbing of the `python -m data.*` commands: Hydra-style key=value arguments composed
-against conf/, and one way to report failures (message on stderr, exit status 1)."""
+against conf/ and validated (data.config_checks), and one way to report failures (one line on
+stderr; data.errors.run_reported gives the exit status)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from pathlib import Path
 from typing import Callable
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from data import store
-from data.errors import TraceValidationError
+from data.config_checks import SCHEMAS, validate
+from data.errors import run_reported
 from data.schema import Traces
 from data.stats import format_stats
 
@@ -26,20 +26,19 @@ def compose_config(name: str, argv: list[str]) -> DictConfig:
 
 
 def run_command(config_name: str, body: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
+    """Compose the config, validate it (data.config_checks.SCHEMAS[config_name]), then run `body`;
+    returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        body(compose_config(config_name, argv))
-    except TraceValidationError as e:
-        print(f"error: {e}\nnothing was written", file=sys.stderr)
-        return 1
-    except (HydraException, OmegaConfBaseException, FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    def checked():
+        cfg = compose_config(config_name, argv)
+        validate(cfg, SCHEMAS[config_name]())
+        body(cfg)
+    return run_reported(checked)
 
 
-def store_traces(name: str, traces: Traces, cfg: DictConfig) -> None:
+def store_traces(name: str, traces: Traces, cfg: DictConfig, command: str, inputs=()) -> None:
     """Split, save atomically to cfg.out, and print the dataset's statistics."""
     ds = store.build(traces, **cfg.split)
-    store.save(ds, cfg.out, overwrite=cfg.overwrite)
+    store.save(ds, cfg.out, overwrite=cfg.overwrite, command=command, inputs=inputs)
     print(format_stats(name, ds.meta["stats"]))

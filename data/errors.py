@@ -29,3 +29,43 @@ class TraceValidationError(ValueError):
         more = len(self.issues) - self.MAX_SHOWN
         tail = f"\n  ... and {more} more" if more > 0 else ""
         super().__init__(f"{len(self.issues)} invalid record(s):\n{shown}{tail}")
+
+
+class ConfigError(ValueError):
+    """A configuration value outside its allowed range: one line naming the key, the value and
+    what is allowed. Commands exit with status 2 on it, before doing any work."""
+
+
+EXIT_CONFIG = 2  # a setting out of range, an unknown name, a malformed override
+EXIT_INTERRUPTED = 130  # SIGINT, as a shell reports it
+
+
+def run_reported(body, *args) -> int:
+    """Run a command's body; a known failure becomes one line on stderr and an exit status, never
+    a traceback: 2 for a bad setting, 1 for bad input data or an output that cannot be written,
+    130 for an interrupt. Outputs are written atomically, so none of these leaves a partial one."""
+    import sys
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        body(*args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (HydraException, OmegaConfBaseException) as e:
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        key = getattr(e, "full_key", None)
+        print(f"error: {key}: {line}" if key and key not in line else f"error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    except TraceValidationError as e:
+        print(f"error: {e}\nnothing was written", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: no output was written or changed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0

@@ -29,6 +29,14 @@ MESSAGE_TEMPLATE_TOKENS = 4
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# Bounds of the stored columns (data.schema: int64 steps, int64 token counts, float32 hidden
+# vectors). A token count is bounded far below int64 so that a prompt's sum of segments fits too.
+INT64_MAX = 2**63 - 1
+MAX_TOKENS = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+Step = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+Hidden = list[Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]]
 
 
 class _Record(BaseModel):
@@ -37,17 +45,17 @@ class _Record(BaseModel):
 
 class NativeSegment(_Record):
     id: NonEmpty
-    tokens: Annotated[int, Field(gt=0)]
+    tokens: Annotated[int, Field(gt=0, le=MAX_TOKENS)]
     text: str | None = None
     kind: str | None = None
 
 
 class NativeCall(_Record):
     workflow_id: NonEmpty
-    step: Annotated[int, Field(ge=0)]
+    step: Step
     agent: NonEmpty
     prompt: Annotated[list[NativeSegment], Field(min_length=1)]
-    output_tokens: Annotated[int, Field(ge=0)]
+    output_tokens: Tokens
     output_id: str | None = None
     output_text: str | None = None
     workload: str | None = None
@@ -55,7 +63,7 @@ class NativeCall(_Record):
     tool_time: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     start_time: FiniteFloat | None = None
     end_time: FiniteFloat | None = None
-    hidden: list[FiniteFloat] | None = None
+    hidden: Hidden | None = None
     end_of_workflow: bool | None = None
 
 
@@ -69,13 +77,13 @@ class ChatCall(_Record):
     agent: NonEmpty
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     completion: str
-    step: Annotated[int, Field(ge=0)] | None = None
+    step: Step | None = None
     timestamp: FiniteFloat | None = None
     workload: str | None = None
     task: str | None = None
-    prompt_tokens: Annotated[int, Field(ge=0)] | None = None
-    completion_tokens: Annotated[int, Field(ge=0)] | None = None
-    hidden: list[FiniteFloat] | None = None
+    prompt_tokens: Tokens | None = None
+    completion_tokens: Tokens | None = None
+    hidden: Hidden | None = None
     end_of_workflow: bool | None = None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from data.atomic import check_output, check_replaceable
 from data.cli import run_command, store_traces
 from data.formats import read_chat, read_native
 from data.schema import Traces
@@ -28,14 +29,21 @@ def read_traces(format: str, src: str, skip_bad_lines: bool = False) -> Traces:
 
 
 def import_traces(cfg) -> None:
+    check_output(cfg.out, [cfg.src])  # before the work: a refusal costs nothing
+    from data.store import DATASET_WRITERS
+    check_replaceable(cfg.out, DATASET_WRITERS)
     traces = read_traces(cfg.format, cfg.src, cfg.skip_bad_lines)
     for issue in traces.skipped:
         print(f"skipped {issue}", file=sys.stderr)
     if traces.skipped:
         print(f"skipped {len(traces.skipped)} invalid record(s)", file=sys.stderr)
-    store_traces(cfg.format, traces, cfg)
+    store_traces(cfg.format, traces, cfg, "data.import_traces", inputs=[cfg.src])
     print(f"wrote {cfg.out}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_command("import_traces", import_traces, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run_command("import_traces", import_traces))
+    sys.exit(main())

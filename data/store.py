@@ -21,9 +21,12 @@ from datasets.utils import disable_progress_bars
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from data.atomic import atomic_dir
+from data.atomic import atomic_dir, check_output, check_replaceable
 from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
 from data.stats import trace_stats
+
+# the commands whose dataset folders one another may replace (with overwrite=true)
+DATASET_WRITERS = ("data.generate", "data.import_traces", "data.store")
 
 disable_progress_bars()  # tables here are small; per-table bars only clutter the commands' output
 
@@ -99,12 +102,16 @@ def build(traces: Traces, val: float = 0.1, test: float = 0.1, seed: int = 0) ->
     return TraceDataset(calls, segments, meta)
 
 
-def save(ds: TraceDataset, out: str | Path, overwrite: bool = False) -> Path:
-    """Write the dataset to `out` all at once: built in a temporary sibling, then renamed."""
+def save(ds: TraceDataset, out: str | Path, overwrite: bool = False, command: str = "data.store",
+         inputs=()) -> Path:
+    """Write the dataset to `out` all at once: built in a temporary sibling, then renamed (see
+    data.atomic: never over one of `inputs`, nor over a folder no dataset writer made)."""
     out = Path(out)
+    check_output(out, inputs)
+    check_replaceable(out, DATASET_WRITERS)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite=true to replace it)")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, command, inputs, replaces=DATASET_WRITERS) as tmp:
         ds.calls.save_to_disk(str(tmp / "calls"))
         ds.segments.save_to_disk(str(tmp / "segments"))
         (tmp / "parquet").mkdir()

@@ -38,7 +38,7 @@ FAMILIES: dict[str, type[Predictor]] = {
 }
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, ValueError):
     """The file is not a readable PBKV predictor checkpoint."""
 
 

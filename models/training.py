@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from data.atomic import atomic_file, write_json
 from models.base import Predictor
 from models.checkpoint import save_predictor
 from models.datamodule import TraceDataModule
@@ -93,7 +94,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     ceiling = datamodule.dataset.meta.get("bayes_ceiling")
     if ceiling:  # generated data: the best top-1 any predictor can reach (data/generators.py)
         metrics["bayes_ceiling"] = ceiling
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json(run_dir / "metrics.json", metrics)
     finish_loggers(loggers, metrics, training, OmegaConf.to_yaml(config))
     log.info("%s: %s", predictor.family, summary_line(metrics, predictor.horizon, training))
     return {**metrics, **{k: clean(v) for k, v in results.items()}}
@@ -110,8 +111,9 @@ def finish_loggers(loggers: list, metrics: dict, training: dict, config_yaml: st
             run.summary.update(final)
             # Offline runs keep config and summary only inside the binary .wandb file; files in
             # run.dir are readable now and uploaded by `wandb sync` with the run.
-            Path(run.dir, "run_config.yaml").write_text(config_yaml)
-            Path(run.dir, "metrics.json").write_text(json.dumps({**metrics, **training}, indent=2))
+            with atomic_file(Path(run.dir, "run_config.yaml")) as tmp:
+                tmp.write_text(config_yaml)
+            write_json(Path(run.dir, "metrics.json"), {**metrics, **training})
             run.finish()
 
 

@@ -52,4 +52,4 @@ def test_import_native_and_chat_and_who_and_when(tmp_path):
 
 def test_unknown_format_is_a_clear_error(tmp_path):
     done = run("data.import_traces", "format=csv", f"src={tmp_path}", f"out={tmp_path / 'x'}")
-    assert done.returncode == 1 and "format must be one of chat, native, who_and_when, tau_bench" in done.stderr
+    assert done.returncode == 2 and "format=csv: should be one of chat, native, who_and_when, tau_bench" in done.stderr

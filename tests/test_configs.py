@@ -11,6 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from data.config_checks import SCHEMAS, validate
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # the groups each root selects in its defaults list (experiments and debug configs belong to one root)
 ROOT_GROUPS = {
@@ -73,6 +75,7 @@ def test_option_composes_and_targets_bind(root, group, option):
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose(config_name=root, overrides=[f"{group}={option}"], return_hydra_config=True)
     assert cfg.task_name
+    validate(cfg, SCHEMAS[root]())  # the settings checks accept every shipped option (none too strict)
     for path, node in targets(cfg):
         if path.startswith("cfg.hydra"):
             continue
@@ -86,3 +89,4 @@ def test_option_composes_and_targets_bind(root, group, option):
             if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
                 unknown = set(kwargs) - set(signature.parameters)
                 assert not unknown, f"{path}: {node._target_} takes no {sorted(unknown)}"
+

@@ -10,7 +10,9 @@ from tests.conftest import REPO
 
 ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate", "gpu_hit_tokens",
               "host_hit_tokens", "miss_tokens", "prompt_tokens", "mean_workflow_latency_s", "p50_workflow_latency_s",
-              "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision"}
+              "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision",
+              "bound_hit_rate", "bound_method", "gap_closed", "reuse_rate", "recompute_rate", "time_tool_s",
+              "time_queue_s", "time_prefill_s", "time_decode_s", "time_pcie_s"}
 
 
 def evaluate(run_dir, *overrides, cache):
@@ -36,6 +38,11 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
         assert ROW_FIELDS <= set(r)
         assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
         assert r["hit_rate"] == pytest.approx(r["gpu_hit_tokens"] / r["prompt_tokens"])
+        assert r["hit_rate"] <= r["bound_hit_rate"] <= 1  # no policy beats its own run's bound
+        assert r["bound_method"] == "lp" + ("+prefetched" if r["prefetch"] != "none" else "")
+        parts = sum(r[f"time_{p}_s"] for p in ("tool", "queue", "prefill", "decode", "pcie", "predictor"))
+        assert parts == pytest.approx(r["mean_workflow_latency_s"], rel=1e-9)
+    assert by_gap(rows)
     by = {(r["policy"], r["prefetch"]): r for r in rows}
     assert by["pbkv", "conservative"]["prefetch_precision"] is not None and by["lru", "none"]["prefetch_precision"] is None
     assert by["tlru", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # threshold 0: T-LRU is LRU
@@ -64,6 +71,15 @@ def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
     assert sum(r["ended_by_timeout"] for r in lae) > 0
 
 
+def by_gap(rows):
+    """gap_closed: 0 for LRU, (hit - LRU) / (bound - LRU) for the others."""
+    lru = next(r for r in rows if r["policy"] == "lru")
+    for r in rows:
+        expected = (r["hit_rate"] - lru["hit_rate"]) / (r["bound_hit_rate"] - lru["hit_rate"])
+        assert r["gap_closed"] == pytest.approx(expected)
+    return lru["gap_closed"] == 0
+
+
 def test_same_config_same_summary_and_wandb_offline(tmp_path, cache):
     args = ("policies=[lru,pbkv]", "predictor.noise=0.2", "prefetch=[conservative]")
     first, _ = evaluate(tmp_path / "a", *args, cache=cache)
@@ -78,7 +94,7 @@ def test_unknown_policy_is_a_clear_error(tmp_path, cache):
     done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={cache}",
                            "debug=evaluate", "policies=[lru,arc]"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "unknown policies ['arc']" in done.stderr
+    assert done.returncode == 2 and "policies[1]=arc: should be one of" in done.stderr
 
 
 def test_kv_pruning_rows(tmp_path, cache):
@@ -90,6 +106,7 @@ def test_kv_pruning_rows(tmp_path, cache):
     # pruning reads less KV; the sentinel layout keeps the prefix cache matching, compaction does not
     assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
     assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
+    assert all(r["hit_rate"] <= r["bound_hit_rate"] for r in summary["rows"])
     assert "prefix_hit_rate" in stdout
 
 

@@ -12,7 +12,7 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.workload import SimWorkflow, workflows_from_rows
-from serving_integration.simulator.engine import SimConfig, Simulator, simulate
+from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -103,6 +103,11 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
     assert counters.prefetch_used_tokens <= counters.prefetched_tokens
     assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
+    assert counters.gpu_hit_tokens <= bound_metrics(sim)["bound_hit_tokens"]  # the run's own upper bound
+    # a workflow's latency is its tool time, admission wait, and the prefill, decode and PCIe time it ran through
+    split = (counters.time_tool_s + counters.time_queue_s + counters.time_prefill_s + counters.time_decode_s
+             + counters.time_pcie_s + counters.time_predictor_s)
+    assert split == pytest.approx(sum(counters.latencies), rel=1e-9)
 
 
 def test_same_input_same_summary():
@@ -147,14 +152,14 @@ class RetirementLog(Simulator):
         end = self.ledger.end
 
         def logged_end(workflow):
-            self.retired_at.setdefault(workflow, self.now)
+            self.retired_at.setdefault(workflow, self.servers[0].now)
             return end(workflow)
 
         self.ledger.end = logged_end
 
-    def _end_of_workflow(self, wf):
-        self.done_at[wf.id] = self.now
-        super()._end_of_workflow(wf)
+    def _end_of_workflow(self, wf, server):
+        self.done_at[wf.id] = server.now
+        super()._end_of_workflow(wf, server)
 
 
 def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
@@ -169,7 +174,7 @@ def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
         return sim
 
     now = run()
-    assert now.counters.ended_by_signal == len(workflows)
+    assert now.counters().ended_by_signal == len(workflows)
     assert all(now.retired_at[w] == now.done_at[w] for w in now.done_at)
     late = run(end_signal_delay_s=4.0)
     ended = [w for w in late.done_at if w in late.retired_at]
@@ -178,7 +183,7 @@ def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
     half = run(end_signal_delay_s=1.0, end_signal_loss=0.5, inactivity_timeout_s=1e9, seed=3)
     assert 5 < len(half.lost_signal) < 25 and half.lost_signal == run(end_signal_loss=0.5, seed=3).lost_signal
     assert not any(w in half.retired_at for w in half.lost_signal)  # nothing retires them within the run
-    assert half.counters.ended_by_timeout == 0 and half.counters.ended_by_signal <= len(workflows) - len(half.lost_signal)
+    assert half.counters().ended_by_timeout == 0 and half.counters().ended_by_signal <= len(workflows) - len(half.lost_signal)
     timed = run(end_signal_loss=1.0, inactivity_timeout_s=5.0)
-    assert timed.counters.ended_by_signal == 0 and timed.counters.ended_by_timeout > 0
+    assert timed.counters().ended_by_signal == 0 and timed.counters().ended_by_timeout > 0
     assert all(timed.retired_at[w] >= timed.done_at[w] + 5.0 for w in timed.done_at if w in timed.retired_at)

@@ -11,7 +11,8 @@ the positives as a uniform target. On the held-out decision points it prints, fo
 rule + residual and the three baselines: macro label AUROC (sklearn ``roc_auc_score``, per decision
 point, over unprotected tokens) and top-budget recall (``select_keep`` with budget = protected +
 ``budget_frac`` of the unprotected tokens; positives kept / positives). Writes
-``out/residual_head.pt`` (load with :func:`load_residual_head`) and ``out/metrics.json``.
+``out/residual_head.pt`` (load with :func:`load_residual_head`) and ``out/metrics.json``, both
+at once: ``out`` is a folder replaced whole (data.atomic), only when empty or made by this command.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from sklearn.metrics import roc_auc_score
+
+from data.atomic import atomic_dir, check_replaceable
+from data.config_checks import intentkv_schema, validate
+from data.errors import run_reported
 
 from models.intentkv.pruning import ResidualHead, causal_attention, h2o_scores, select_keep, snapkv_scores, \
     streaming_llm_scores
@@ -56,8 +61,14 @@ class TrainConfig:
     baselines: bool = True
 
 
+COMMAND = "models.intentkv.train"
+
+
 def parse_config(argv: list[str]) -> TrainConfig:
+    """key=value arguments onto TrainConfig (a wrong type or unknown key is an OmegaConf error),
+    then the ranges of data.config_checks.intentkv_schema (a ConfigError)."""
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_cli(argv))
+    validate(cfg, intentkv_schema())
     return TrainConfig(**OmegaConf.to_container(cfg))
 
 
@@ -136,9 +147,17 @@ def save_residual_head(head: ResidualHead, path: Path, extra: dict) -> None:
 
 
 def load_residual_head(path: str | Path) -> ResidualHead:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    head = ResidualHead(**blob["config"])
-    head.load_state_dict(blob["state_dict"])
+    from models.checkpoint import CheckpointError
+
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)  # never runs code from the file
+        head = ResidualHead(**blob["config"])
+        head.load_state_dict(blob["state_dict"])
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # torch raises several types for foreign, truncated or hostile files
+        raise CheckpointError(f"{path}: not a readable residual head: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from e
     return head.eval()
 
 
@@ -151,6 +170,7 @@ def format_table(metrics: dict[str, dict[str, float]], budget_frac: float) -> st
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    check_replaceable(cfg.out, (COMMAND,))  # before the work: a refusal costs nothing
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -178,15 +198,15 @@ def run(cfg: TrainConfig) -> dict:
     print(format_table(metrics, cfg.budget_frac))
     print(f"random: AUROC 0.500, recall@budget ~{cfg.budget_frac:.3f}; total {time.time() - t0:.1f}s")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"config": asdict(cfg), "n_train_decisions": len(train), "n_test_decisions": len(test),
               "positive_rate": pos_rate, "final_loss": float(np.mean(log[-20:])) if log else math.nan,
               "metrics": metrics, "seconds": time.time() - t0}
-    save_residual_head(head, out / "residual_head.pt", {"lam": cfg.lam, "metrics": metrics})
-    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    with atomic_dir(out, COMMAND) as tmp:
+        save_residual_head(head, tmp / "residual_head.pt", {"lam": cfg.lam, "metrics": metrics})
+        (tmp / "metrics.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {out / 'residual_head.pt'} and {out / 'metrics.json'}")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_reported(main))

@@ -14,19 +14,38 @@ def _percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
+# where a workflow's time goes: tool time between its calls, admission wait (queueing), and, while
+# one of its calls runs, the server's prefill compute, decode iterations and PCIe (host-to-GPU) loads
+TIME_SPLIT = ("tool", "queue", "prefill", "decode", "pcie")
+
+
 def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: int, workflow_latencies,
-                   ttfts, calls: int, makespan_s: float) -> dict:
-    """hit_rate is GPU-hit prompt tokens over prompt tokens; prefix_hit_rate counts host hits too."""
+                   ttfts, calls: int, makespan_s: float, time_totals: dict | None = None) -> dict:
+    """hit_rate is GPU-hit prompt tokens over prompt tokens; reuse_rate (also named prefix_hit_rate)
+    counts host hits too; recompute_rate is the share of prompt tokens prefilled (missed).
+
+    `time_totals`: seconds summed over all workflows for each part of TIME_SPLIT (a part the caller
+    cannot measure is None or absent); reported as means per workflow, `time_{part}_s` (null where
+    not measured). In the simulator a workflow's latency is exactly the sum of its parts (plus
+    charged predictor time, `time_predictor_s`, when sim.predictor_cost_s > 0)."""
+    totals = time_totals or {}
+    n = len(workflow_latencies)
+    split = {f"time_{part}_s": (totals[part] / n if n else 0.0) if totals.get(part) is not None else None
+             for part in (*TIME_SPLIT, "predictor")}
+    reuse = (gpu_hit_tokens + host_hit_tokens) / prompt_tokens if prompt_tokens else 0.0
     return {
         "hit_rate": gpu_hit_tokens / prompt_tokens if prompt_tokens else 0.0,
         "gpu_hit_tokens": gpu_hit_tokens,
         "host_hit_tokens": host_hit_tokens,
         "miss_tokens": prompt_tokens - gpu_hit_tokens - host_hit_tokens,
         "prompt_tokens": prompt_tokens,
-        "prefix_hit_rate": (gpu_hit_tokens + host_hit_tokens) / prompt_tokens if prompt_tokens else 0.0,
+        "prefix_hit_rate": reuse,
+        "reuse_rate": reuse,
+        "recompute_rate": (prompt_tokens - gpu_hit_tokens - host_hit_tokens) / prompt_tokens if prompt_tokens else 0.0,
         "mean_workflow_latency_s": _mean(workflow_latencies),
         "p50_workflow_latency_s": _percentile(workflow_latencies, 50),
         "p99_workflow_latency_s": _percentile(workflow_latencies, 99),
         "mean_ttft_s": _mean(ttfts),
         "throughput_calls_per_s": calls / makespan_s if makespan_s > 0 else 0.0,
+        **split,
     }

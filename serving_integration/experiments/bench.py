@@ -250,6 +250,7 @@ class ClosedLoopReplay:
         self.results: list[CallResult] = []
         self.workflow_latencies: dict[str, float] = {}
         self.makespan_s = 0.0
+        self.tool_s = 0.0  # time the workers spent in tool time (sleeping between calls), all workflows
         self._prompt_tokens = self._device_tokens = 0  # running totals for the progress bar
 
     async def run(self) -> None:
@@ -279,7 +280,9 @@ class ClosedLoopReplay:
             began = self._clock()
             for call in workflow:
                 if call.tool_time > 0 and self.tool_time_scale > 0:
+                    slept = self._clock()
                     await asyncio.sleep(call.tool_time * self.tool_time_scale)
+                    self.tool_s += self._clock() - slept
                 result = await self._call(session, call)
                 self.results.append(result)
                 if result.ok:
@@ -331,7 +334,10 @@ def summarize(replay: ClosedLoopReplay, labels: dict, extra: dict | None = None)
         **replay_metrics(gpu_hit_tokens=sum(r.device_tokens for r in ok), host_hit_tokens=sum(r.host_tokens for r in ok),
                          prompt_tokens=sum(r.prompt_tokens for r in ok),
                          workflow_latencies=list(replay.workflow_latencies.values()), ttfts=ttfts, calls=len(ok),
-                         makespan_s=replay.makespan_s),
+                         makespan_s=replay.makespan_s,
+                         # a client measures its own tool time; queueing, prefill, decode and PCIe
+                         # happen inside the server and stay null
+                         time_totals={"tool": replay.tool_s}),
         "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else 0.0,
         "mean_call_latency_s": float(np.mean([r.latency_s for r in ok])) if ok else 0.0,
         "makespan_s": replay.makespan_s, **(extra or {}),
@@ -460,10 +466,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from data.errors import run_reported
+
     args = parse_args(argv)
+    status = []
+    failed = run_reported(lambda: status.append(run(args)))
+    return failed or status[0]
+
+
+def run(args: argparse.Namespace) -> int:
     from data import store
+    from data.atomic import check_output
+    from data.config_checks import bench_schema, validate
     from serving_integration.experiments.presentation import format_table
 
+    validate(vars(args), bench_schema(), flags=True)
+    check_output(args.out, [args.data])
+    if args.save_trace:
+        check_output(args.save_trace, [args.data])
     ds = store.load(args.data)
     rows = ds.rows(None if args.split == "all" else args.split)
     workflows = replay_workflows(rows)[: args.n_workflows or None]
@@ -471,7 +491,12 @@ def main(argv=None) -> int:
         print(f"error: split '{args.split}' of {args.data} has no workflows", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        from data.atomic import OutputError, describe
+
+        raise OutputError(describe(e, out)) from None
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=args.metadata, stream=not args.no_stream,
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,

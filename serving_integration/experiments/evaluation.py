@@ -12,9 +12,11 @@ the same workflows and seed. The policies (`policies=[...]`):
     pbkv_lae          lifecycle-aware LRU: retired cache first
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
-    pbkv_perfect      the same score fed the true future agents (a perfect predictor: a bound)
-    oracle            clairvoyant eviction by furthest next use of the real future (a bound),
-                      prefetching for the true next calls
+    pbkv_perfect      the same score fed the true future agents (a perfect predictor)
+    oracle            clairvoyant eviction by furthest next use of the real future, prefetching
+                      for the true next calls: a heuristic reference, not a bound (policies can
+                      beat it); every row's bound_hit_rate is a proven upper bound on its own
+                      request sequence (serving_integration/simulator/bound.py)
 
 `prefetch=[none,conservative,aggressive]` applies to pbkv, pbkv_perfect and oracle (the paper's
 full PBKV is pbkv with conservative prefetch); `predictor.noise` mixes pbkv's predictions with
@@ -45,7 +47,6 @@ import logging
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +54,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import store
-from data.atomic import write_json
+from data.atomic import temporary_sibling_dir, write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import AgentStepGraph, ModelSource, NoisySource, PerfectSource, vocabulary
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.experiments.presentation import aggregate_seeds, make_row
+from serving_integration.experiments.presentation import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,18 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
     run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
     if not (run / "predictor.pt").is_file():
         # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
-        run.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{run.name}.", dir=run.parent))
+        tmp = temporary_sibling_dir(run)
         log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
-        subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
-                        f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                        "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+        try:
+            subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
+                            f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
+                            "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, subprocess.CalledProcessError):
+                raise ValueError(f"predictor.train={cfg.predictor.train}: train.py failed with exit status "
+                                 f"{e.returncode} (its output is above)") from None
+            raise
         try:
             tmp.rename(run)
         except OSError:  # another job got there first; its checkpoint is the same recipe's
@@ -174,7 +181,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
 
 def sim_config(cfg: DictConfig, train_workflows) -> SimConfig:
     """SimConfig from cfg.sim; null end-signal settings come from the train split's tool times."""
-    options = {k: v for k, v in cfg.sim.items() if k != "n_workflows"}
+    options = {k: v for k, v in OmegaConf.to_container(cfg.sim, resolve=True).items() if k != "n_workflows"}
     tool_times = [c.tool_time for w in train_workflows for c in w.calls[1:] if c.tool_time > 0]
     if options.get("end_signal_delay_s") is None:
         options["end_signal_delay_s"] = float(np.median(tool_times)) if tool_times else 0.0
@@ -193,10 +200,14 @@ def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
     setting = Setting(sim_config(cfg, train), instantiate(cfg.cost_model), workload=ds.workload,
                       horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma, seed=cfg.seed, split=cfg.split)
-    learned = learned_source(cfg, train_sequences, agent_names[1:], ds.path) if "pbkv" in cfg.policies else None
+    routes_by_prediction = cfg.sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
+    learned = (learned_source(cfg, train_sequences, agent_names[1:], ds.path)
+               if "pbkv" in cfg.policies or routes_by_prediction else None)
     graph = AgentStepGraph.for_dataset(ds.meta, train_sequences, cfg.pbkv.horizon, agent_names)
     rows = []
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned, graph):
+        if routes_by_prediction and kwargs.get("predictions") is None:
+            kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
         rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
         log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
@@ -209,6 +220,7 @@ def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
             rows.append(setting.run(replayed, cfg.kv.policy, "none", {"policy": cfg.kv.policy}, comparison="kv",
                                     layout=layout, kv_method="none" if layout == "none" else cfg.kv.method,
                                     kv_budget=None if layout == "none" else cfg.kv.budget))
+    add_gap_closed(rows)
     info = {"predictor": learned[1] if learned else {},
             "kvflow_graph": {"origin": graph.origin, **graph.graph},
             "end_signal": {"delay_s": setting.sim.end_signal_delay_s, "loss": setting.sim.end_signal_loss,
@@ -223,6 +235,7 @@ class Setting:
     def __init__(self, sim: SimConfig, cost, **labels):
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
+                       "replicas": sim.replicas, "routing": sim.routing,
                        "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:

@@ -18,10 +18,15 @@ ROW_LABELS = {
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
     "split": "test",  # the replayed split: knobs are chosen on val, claims made on test
     "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
+    "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
 SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
-           "end_signal_loss")
+           "end_signal_loss", "replicas", "routing")
+
+
+# metrics every row carries, null where a run cannot compute them (the bench client has no bound)
+ROW_METRIC_DEFAULTS = {"bound_hit_rate": None, "bound_method": None, "gap_closed": None}
 
 
 def make_row(labels: dict, metrics: dict) -> dict:
@@ -29,7 +34,23 @@ def make_row(labels: dict, metrics: dict) -> dict:
     unknown = set(labels) - set(ROW_LABELS)
     if unknown:
         raise KeyError(f"not row labels: {sorted(unknown)} (serving_integration.experiments.presentation.ROW_LABELS)")
-    return {**ROW_LABELS, **labels, **metrics}
+    return {**ROW_LABELS, **labels, **ROW_METRIC_DEFAULTS, **metrics}
+
+
+def add_gap_closed(rows: list[dict]) -> list[dict]:
+    """gap_closed = (hit_rate - LRU's) / (bound_hit_rate - LRU's): the share of the distance from
+    LRU to the row's own upper bound (simulator/bound.py) that the policy covers. LRU's row is the
+    one of the same setting (same workflows, sizes, layout and seed); null without one, or where
+    the bound leaves no room above LRU."""
+    def key(r):
+        return (*(r.get(k) for k in SETTING), r["comparison"], r.get("layout"), r.get("kv_budget"), r.get("seed"))
+
+    lru = {key(r): r["hit_rate"] for r in rows if r["policy"] == "lru" and r["prefetch"] == "none"}
+    for r in rows:
+        base, bound = lru.get(key(r)), r.get("bound_hit_rate")
+        room = bound - base if base is not None and bound is not None else None
+        r["gap_closed"] = (r["hit_rate"] - base) / room if room is not None and room > 1e-12 else None
+    return rows
 
 
 def aggregate_seeds(rows: list[dict]) -> list[dict]:
@@ -53,7 +74,7 @@ def aggregate_seeds(rows: list[dict]) -> list[dict]:
                 continue
             values = [r.get(name) for r in group]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                row[name] = first[name] if len(group) == 1 else None
+                row[name] = first[name] if all(v == first[name] for v in values) else None
                 continue
             n = len(values)
             row[name] = float(np.mean(values))
@@ -65,7 +86,8 @@ def aggregate_seeds(rows: list[dict]) -> list[dict]:
 
 
 def row_label(r: dict) -> str:
-    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)], or kv/LAYOUT.
+    """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)][ @routing xN], or
+    kv/LAYOUT; the routing policy and replica count are named when there is more than one replica.
     The prefetch mode is named where it is a choice (not KVFlow's own aggressive one, not 'none'
     except for KVFlow without its prefetch)."""
     if r["comparison"] == "kv":
@@ -78,13 +100,24 @@ def row_label(r: dict) -> str:
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
+    if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (the bound is bound_hit_rate)
+        name += " (heuristic, Belady)"
+    if r.get("replicas", 1) > 1:
+        name += f" @{r['routing']} x{r['replicas']}"
     return name
 
 
 TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
-                 ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
+                 ("reuse_rate", "{:.1%}"), ("recompute_rate", "{:.1%}"), ("bound_hit_rate", "{:.1%}"),
+                 ("gap_closed", "{:.2f}"), ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
                  ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
-                 ("x_lru_latency", "{:.2f}"))
+                 ("x_lru_latency", "{:.2f}"), ("time_tool_s", "{:.2f}"), ("time_queue_s", "{:.2f}"),
+                 ("time_prefill_s", "{:.2f}"), ("time_decode_s", "{:.2f}"), ("time_pcie_s", "{:.2f}"))
+# the table's notes: what the columns that are not plain metrics mean
+TABLE_NOTES = ("bound_hit_rate: an upper bound on the GPU hit rate of any eviction policy on the row's own request "
+               "sequence (FOO-style interval LP); gap_closed = (hit - LRU) / (bound - LRU); oracle is a heuristic "
+               "(Belady by distance in calls), not a bound; time_*_s: mean seconds per workflow in tool calls, "
+               "admission queue, prefill, decode and PCIe loads (they add up to the mean workflow latency)")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:
@@ -107,7 +140,7 @@ def format_table(rows: list[dict]) -> str:
     """The policy comparison, then the KV-pruning rows if any."""
     policy_rows = [r for r in rows if r["comparison"] == "policies"]
     kv_rows = [r for r in rows if r["comparison"] == "kv"]
-    parts = [_table(table_rows(policy_rows), TABLE_COLUMNS)] if policy_rows else []
+    parts = [_table(table_rows(policy_rows), TABLE_COLUMNS) + "\n" + TABLE_NOTES] if policy_rows else []
     if kv_rows:
         parts.append(_table(kv_rows, KV_COLUMNS))
     return "\n\n".join(parts)
@@ -115,12 +148,14 @@ def format_table(rows: list[dict]) -> str:
 
 def _table(rows: list[dict], columns) -> str:
     head = [name for name, _ in columns]
-    body = [[fmt.format(r[name]) for name, fmt in columns] for r in rows]
+    body = [["n/a" if r.get(name) is None else fmt.format(r[name]) for name, fmt in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     first = rows[0]
     title = (f"{first['workload']}: {first['workflows']} workflows, {first['calls']} calls, gpu_tokens="
              f"{first['gpu_tokens']}, concurrency={first['concurrency']}, {first['cost_model']}")
+    if first.get("replicas", 1) > 1:
+        title += f", {first['replicas']} replicas (gpu_tokens in total), routing={first['routing']}"
     return "\n".join([title, line(head), *(line(b) for b in body)])
 
 
@@ -148,7 +183,7 @@ def plot(rows: list[dict], run_dir: Path) -> list[Path]:
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     paths.append(run_dir / "hit_rate.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1], dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(1.1 * len(rows) + 2, 4))
     x = range(len(rows))
@@ -160,9 +195,17 @@ def plot(rows: list[dict], run_dir: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(run_dir / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1], dpi=120)
     plt.close(fig)
     return paths
+
+
+def save_figure(fig, path: Path, **kwargs) -> None:
+    """A matplotlib figure written atomically (data.atomic): never a truncated PNG in its place."""
+    from data.atomic import atomic_file
+
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs)
 
 
 def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import atomic_dir
-from serving_integration.experiments.presentation import SETTING, row_label as label
+from data.atomic import atomic_dir, check_output, check_replaceable
+from data.errors import run_reported
+from serving_integration.cache.metrics import TIME_SPLIT
+from serving_integration.experiments.presentation import ROW_LABELS, SETTING, row_label as label
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
@@ -45,7 +47,16 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
         files.extend(found)
     rows, seen = [], set()
     for f in files:
-        for row in json.loads(f.read_text())["rows"]:
+        try:
+            summary_rows = json.loads(f.read_text())["rows"]
+            if not isinstance(summary_rows, list) or not all(isinstance(r, dict) for r in summary_rows):
+                raise TypeError("rows is not a list of rows")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{f}: not a summary.json of evaluate.py ({type(e).__name__}: {e})") from None
+        for i, row in enumerate(summary_rows):
+            missing = sorted({*ROW_LABELS, "hit_rate", "mean_workflow_latency_s"} - set(row))
+            if missing:
+                raise ValueError(f"{f}: row {i} lacks {', '.join(missing)} (not a summary.json of evaluate.py)")
             # a sweep over predictor settings repeats the rows that do not depend on them
             key = json.dumps(row, sort_keys=True)
             if key not in seen:
@@ -98,25 +109,42 @@ def setting_tables(rows: list[dict]) -> str:
         def vs(base, r, field, higher):
             return pm(paired_ratios(r, base, field, higher)) if base else "n/a"
 
+        def cell(r, field, spec="{:.2f}"):
+            return pm(per_seed(r, field), spec) if isinstance(r.get(field), (int, float)) else "n/a"
+
         body = []
         for r in group:
-            body.append([label(r), pm(per_seed(r, "hit_rate"), "{:.1%}"), vs(lru, r, "hit_rate", True),
-                         vs(kvflow, r, "hit_rate", True), pm(per_seed(r, "mean_workflow_latency_s")),
+            body.append([label(r), cell(r, "hit_rate", "{:.1%}"), vs(lru, r, "hit_rate", True),
+                         vs(kvflow, r, "hit_rate", True), cell(r, "mean_workflow_latency_s"),
                          vs(lru, r, "mean_workflow_latency_s", False), vs(kvflow, r, "mean_workflow_latency_s", False),
-                         pm(per_seed(r, "p99_workflow_latency_s")), pm(per_seed(r, "mean_ttft_s"), "{:.3f}"),
-                         fmt(r["prefetch_precision"], "{:.0%}")])
+                         cell(r, "p99_workflow_latency_s"), cell(r, "mean_ttft_s", "{:.3f}"),
+                         fmt(r["prefetch_precision"], "{:.0%}"),
+                         cell(r, "reuse_rate", "{:.1%}"), cell(r, "recompute_rate", "{:.1%}"),
+                         cell(r, "bound_hit_rate", "{:.1%}"), cell(r, "gap_closed"),
+                         *(cell(r, f"time_{part}_s") for part in TIME_SPLIT)])
         head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "mean latency (s)", "speed-up vs LRU",
-                "speed-up vs KVFlow", "p99 latency (s)", "mean TTFT (s)", "prefetch precision"]
+                "speed-up vs KVFlow", "p99 latency (s)", "mean TTFT (s)", "prefetch precision",
+                "reuse (GPU + host)", "recomputed", "upper bound", "gap closed",
+                *(f"{part} (s/wf)" for part in TIME_SPLIT)]
         seeds = group[0].get("seeds") or [group[0].get("seed")]
         parts.append(f"### {setting_title(key)}\n\n{group[0]['workflows']} workflows, {group[0]['calls']} calls, "
                      f"seed(s) {seeds} ({Path(group[0]['source']).parent})\n\n" + md_table(head, body))
     return "\n\n".join(parts)
 
 
+SETTING_NOTE = (
+    "GPU hit rate, reuse (GPU + host hits) and recomputed (missed) are shares of prompt tokens. Upper bound: "
+    "no eviction policy can reach a higher GPU hit rate on the row's own request sequence with the same GPU "
+    "capacity (an interval LP in the style of FOO, Berger et al. SIGMETRICS 2018; "
+    "serving_integration/simulator/bound.py); gap closed = (hit rate - LRU's) / (upper bound - LRU's). "
+    "The oracle is a heuristic (Belady by distance in calls), not a bound. The last five columns split the "
+    "mean workflow latency: tool time, admission queue, prefill, decode and PCIe loads, seconds per workflow.")
+
+
 # -------------------------------------------------------------------- claims: knobs chosen on val, numbers on test
 
 # a configuration of a method: the knobs tuned on the validation split (memory point, K, gamma, prefetch)
-MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss")
+MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing")
 OWN_PREFETCH = {"kvflow": "aggressive"}  # a baseline compared with its own prefetch; others without
 
 
@@ -325,7 +353,7 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
         groups = defaultdict(lambda: defaultdict(list))
         for r in rows:
             if is_main(r):
-                groups[tuple(r[k] for k in others)][label(r)].append((r[axis], r))
+                groups[tuple(r.get(k) for k in others)][label(r)].append((r[axis], r))
         for key, series in groups.items():
             if len({x for pts in series.values() for x, _ in pts}) < 2:
                 continue
@@ -414,6 +442,75 @@ def kv_table(rows) -> str:
                      "mean latency (s)"], body)
 
 
+# -------------------------------------------------------------------- cluster
+
+CLUSTER_BASES = (("round_robin", "lru"), ("cache_aware", "lru"))
+CLUSTER_BEST_AT = (("hover", "swebench"), 4)  # workloads and replica count whose best combination is named
+
+
+def cluster_rows(rows) -> dict:
+    """Rows of cluster runs (evaluate.py experiment=cluster) by (workload, workflows, gpu_tokens,
+    concurrency): {(replicas, routing, eviction): row}. With one replica the routing policy cannot
+    matter (its runs are the single server), so one of them stands for all, as routing 'none'."""
+    if not any(r.get("replicas", 1) > 1 for r in rows):
+        return {}
+    groups = defaultdict(dict)
+    for r in rows:
+        if not is_main(r) or "replicas" not in r:
+            continue
+        key = (r["workload"], r["workflows"], r["gpu_tokens"], r["concurrency"], r["cost_model"])
+        routing = r["routing"] if r["replicas"] > 1 else "none"
+        groups[key].setdefault((r["replicas"], routing, label(dict(r, replicas=1))), r)
+    return {k: v for k, v in groups.items() if any(rep > 1 for rep, _, _ in v)}
+
+
+def cluster_best(combos: dict, replicas: int):
+    """The combination with the highest GPU hit rate (then the lowest mean latency) at `replicas`,
+    and its hit-rate ratio and latency speed-up over each base combination present."""
+    at = {(routing, ev): r for (rep, routing, ev), r in combos.items() if rep == replicas}
+    if not at:
+        return None
+    (routing, ev), top = max(at.items(), key=lambda item: (item[1]["hit_rate"], -item[1]["mean_workflow_latency_s"]))
+    ratios = {}
+    for base in CLUSTER_BASES:
+        b = at.get(base)
+        if b is not None:
+            ratios[base] = (ratio(top["hit_rate"], b["hit_rate"]),
+                            ratio(b["mean_workflow_latency_s"], top["mean_workflow_latency_s"]))
+    return routing, ev, top, ratios
+
+
+def cluster_section(rows) -> str:
+    groups = cluster_rows(rows)
+    if not groups:
+        return "No cluster runs (sim.replicas > 1) in these runs."
+    parts, named = [], []
+    workloads, at = CLUSTER_BEST_AT
+    for (workload, n_wf, gpu, conc, cost), combos in groups.items():
+        body = []
+        for (rep, routing, ev), r in sorted(combos.items(), key=lambda item: item[0]):
+            body.append([str(rep), routing, ev, fmt(r["hit_rate"], "{:.1%}"),
+                         fmt(r.get("recompute_rate", r["miss_tokens"] / r["prompt_tokens"]), "{:.1%}"),
+                         fmt(r["mean_workflow_latency_s"]), fmt(r["p99_workflow_latency_s"]),
+                         fmt(r.get("load_imbalance"), "{:.2f}"), str(r.get("migrations", "n/a"))])
+        head = ["replicas", "routing", "eviction", "GPU hit rate", "recompute rate", "mean latency (s)",
+                "p99 latency (s)", "load imbalance", "migrations"]
+        parts.append(f"### {workload}: {n_wf} workflows, total gpu_tokens={gpu}, concurrency={conc}, {cost}\n\n"
+                     + md_table(head, body))
+        found = cluster_best(combos, at) if workload.split("-")[0] in workloads else None
+        if found:
+            routing, ev, top, ratios = found
+            vs = "; ".join(f"x{h:.2f} hit rate, x{l:.2f} latency speed-up over {b[0]} + {b[1]}"
+                           for b, (h, l) in ratios.items()) or "no base combination in these runs"
+            named.append(f"- **{workload}** ({at} replicas): best **{routing} + {ev}** at "
+                         f"{top['hit_rate']:.1%} GPU hit rate, mean latency {top['mean_workflow_latency_s']:.2f} s; {vs}")
+    intro = ("Recompute rate: missed prompt tokens over prompt tokens (prefilled again). Load imbalance: the most "
+             "calls served by one replica over the mean. Migrations: calls routed away from their workflow's "
+             "previous replica. The total GPU KV capacity is the same at every replica count (split evenly).")
+    best = "\n".join(named) or f"No runs at {at} replicas on {', '.join(workloads)}."
+    return "\n\n".join([intro, f"Best combination at {at} replicas (highest GPU hit rate):\n\n{best}", *parts])
+
+
 # -------------------------------------------------------------------- main
 
 def sources(files: list[Path]) -> str:
@@ -425,9 +522,18 @@ def sources(files: list[Path]) -> str:
     return "\n".join(f"- `{folder}` ({n} run{'s' if n > 1 else ''})" for folder, n in folders.items())
 
 
+COMMAND = "serving_integration.experiments.report"
+
+
 def build(paths: list[str], out: Path) -> Path:
+    """The report folder `out`, replaced all at once (data.atomic): never one of the runs read, a
+    folder holding them, nor a folder this command did not make."""
+    check_output(out, paths)
+    check_replaceable(out, (COMMAND,))
     rows, files = load_rows(paths)
-    with atomic_dir(out) as tmp:
+    if not rows:
+        raise ValueError(f"no rows in {', '.join(map(str, files))}: nothing to report")
+    with atomic_dir(out, COMMAND, inputs=paths) as tmp:
         regret_md, fits = regret_fit(rows)
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
         md = "\n\n".join([
@@ -436,8 +542,9 @@ def build(paths: list[str], out: Path) -> Path:
             "## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows),
             "## Prediction noise: regret and its linear fit", regret_md,
             "## KV pruning (IntentKV)", kv_table(rows),
+            "## A cluster: replicas x routing x eviction", cluster_section(rows),
             "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
-            "## Results by setting", setting_tables(rows),
+            "## Results by setting", SETTING_NOTE, setting_tables(rows),
         ]) + "\n"
         (tmp / "report.md").write_text(md)
         import markdown
@@ -455,13 +562,11 @@ def main(argv=None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories, multirun directories or summary.json files")
     parser.add_argument("--out", required=True, type=Path, help="report directory (replaced)")
     args = parser.parse_args(argv)
-    try:
+
+    def body():
         path = build(args.runs, args.out)
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"report: {path} and {path.with_suffix('.html')}")
-    return 0
+        print(f"report: {path} and {path.with_suffix('.html')}")
+    return run_reported(body)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ batches the predictor over the calls that finished since the last scheduler step
 to lifecycle-aware LRU whenever a prediction cannot be trusted. Nothing here imports SGLang: the
 SGLang side (sglang_policies.py, plugin.py, sglang_prefetch.py) calls in with node ids and nodes.
 
-Robustness: a predictor that raises, runs past its timeout or returns NaN / a malformed tensor
-turns that round's decision into lifecycle-aware LRU (`LifecycleLRU`, retired cache first, then
+Robustness: a predictor that raises (anything, SystemExit and KeyboardInterrupt included, unless
+the scheduler process itself is stopping: see `SchedulerShutdown`), runs past its timeout or
+returns a tensor that is not a distribution (wrong shape for the configured horizon and agents,
+non-finite, outside [0, 1], rows not summing to 1) turns that round's decision into lifecycle-aware LRU (`LifecycleLRU`, retired cache first, then
 LRU) until a later round succeeds; every such round is counted. Missing or malformed request
 metadata is counted and the request is served as an anonymous one (its cache is unowned, hence
 evicted like retired cache). A workflow that never sends its end signal is retired after
@@ -21,6 +23,8 @@ import json
 import logging
 import math
 import queue
+import signal
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -121,6 +125,40 @@ class DaemonWorker:
                 future.set_exception(e)
 
 
+class SchedulerShutdown:
+    """Whether the scheduler process itself is stopping, which is when a SystemExit or
+    KeyboardInterrupt seen around the predictor belongs to the scheduler and is re-raised.
+
+    The process stops on a signal: SIGINT/SIGTERM/SIGQUIT whose Python handler (SGLang's, or
+    Python's default for SIGINT) raises in the main thread. Each such handler is wrapped once
+    (on the main thread, when a predictor is called) to set a flag first; a signal whose action is
+    the OS default ends the process without any exception. Interpreter finalisation counts too.
+    Any other SystemExit/KeyboardInterrupt is the predictor's own (a bug, or a hostile checkpoint)."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGQUIT") if hasattr(signal, name))
+    _flag = threading.Event()
+    _wrappers: dict = {}
+
+    @classmethod
+    def watch(cls) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in cls.SIGNALS:
+            current = signal.getsignal(sig)
+            if not callable(current) or current is cls._wrappers.get(sig):
+                continue
+
+            def wrapper(signum, frame, previous=current):
+                cls._flag.set()
+                return previous(signum, frame)
+            cls._wrappers[sig] = wrapper
+            signal.signal(sig, wrapper)
+
+    @classmethod
+    def stopping(cls) -> bool:
+        return cls._flag.is_set() or sys.is_finalizing()
+
+
 class GuardedPredictor:
     """A prediction source that cannot take the scheduler down: every call returns a valid
     [B, K, A+1] tensor or None, and says why in the counters when it is None.
@@ -137,9 +175,12 @@ class GuardedPredictor:
     def warm_up(self, agent: str) -> None:
         """One untimed call at server start, so lazy loading (a text encoder, first-call caches) does
         not make the first real rounds time out."""
+        SchedulerShutdown.watch()
         try:
             self.source.predict([LiveWorkflow("warm-up", agents=[agent])])
-        except Exception as e:  # noqa: BLE001  (a predictor that cannot even warm up still falls back per round)
+        except BaseException as e:  # noqa: BLE001  (a predictor that cannot even warm up still falls back per round)
+            if isinstance(e, (SystemExit, KeyboardInterrupt)) and SchedulerShutdown.stopping():
+                raise
             self.stats.count("predictor_warm_up_failed")
             log.warning("PBKV predictor failed its warm-up call: %s: %s", type(e).__name__, e)
 
@@ -151,11 +192,14 @@ class GuardedPredictor:
         if self._late is not None and not self._late.done():
             return self._failed("timeout", "the previous call is still running")
         self._late = None
+        SchedulerShutdown.watch()
         try:
             probs = self._call(workflows)
         except TimeoutError:
             return self._failed("timeout", f"no answer within {self.timeout_s}s")
-        except Exception as e:  # noqa: BLE001  (any predictor bug must not reach the scheduler)
+        except BaseException as e:  # noqa: BLE001  (nothing the predictor raises may reach the scheduler)
+            if isinstance(e, (SystemExit, KeyboardInterrupt)) and SchedulerShutdown.stopping():
+                raise  # the scheduler's own shutdown
             return self._failed("error", f"{type(e).__name__}: {e}")
         problem = self._problem(probs, len(workflows))
         if problem:
@@ -174,15 +218,23 @@ class GuardedPredictor:
             self._late = future
             raise TimeoutError from None
 
+    SUM_TOLERANCE = 1e-3  # |sum of a row - 1|: float32 softmax and noise mixing stay far inside it
+
     def _problem(self, probs, batch: int) -> tuple[str, str] | None:
-        expected = (batch, len(self.source.agent_names) + 1)
-        if not isinstance(probs, torch.Tensor) or probs.dim() != 3 or (probs.shape[0], probs.shape[2]) != expected:
-            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
-            return "invalid", f"expected [B={expected[0]}, K, {expected[1]}] probabilities, got {shape}"
+        """Why `probs` is not [B, K, A+1] distributions (K: the source's configured horizon), or None."""
+        horizon = getattr(self.source, "horizon", None)
+        expected = (batch, horizon, len(self.source.agent_names) + 1)
+        shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        if (not isinstance(probs, torch.Tensor) or probs.dim() != 3 or not probs.is_floating_point()
+                or (probs.shape[0], probs.shape[2]) != (expected[0], expected[2])
+                or (horizon is not None and probs.shape[1] != horizon)):
+            return "invalid", f"expected [B={expected[0]}, K={horizon}, {expected[2]}] probabilities, got {shape}"
         if not torch.isfinite(probs).all():
             return "nan", "non-finite probabilities"
-        if (probs < 0).any():
-            return "invalid", "negative probabilities"
+        if (probs < 0).any() or (probs > 1).any():
+            return "invalid", "probabilities outside [0, 1]"
+        if probs.numel() and ((probs.sum(dim=-1, dtype=torch.float64) - 1).abs() > self.SUM_TOLERANCE).any():
+            return "invalid", "rows that do not sum to 1"
         return None
 
     def _failed(self, reason: str, detail: str) -> None:

@@ -10,28 +10,29 @@ whole running batch one token per iteration. Between events, identical decode it
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
+The predictor is called after every finished call, batched over the workflows whose call
+finished in the same iteration; its cost can be charged to the timeline. Conservative or
+aggressive prefetch runs in decode-only iterations and idle time, with the PCIe bandwidth of
+that time as its budget. Everything is deterministic for a given input and seed.
+
 The end of a workflow reaches the cache as a real client sends it: after its last call, once the
 client has decided to stop (`end_signal_delay_s` later; 0: with the last call). A share
 `end_signal_loss` of the end signals (drawn per workflow with `seed`) never arrives; the cache
 then retires a workflow after `inactivity_timeout_s` without calls, as the plugin does (a live
 workflow silent that long is retired too, and starts afresh with its next call). Until it is
 retired, a finished workflow is predicted, scored and prefetched for like any other.
-
-The predictor is called after every finished call, batched over the workflows whose call
-finished in the same iteration; its cost can be charged to the timeline. Conservative or
-aggressive prefetch runs in decode-only iterations and idle time, with the PCIe bandwidth of
-that time as its budget. Everything is deterministic for a given input and seed.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -40,7 +41,11 @@ from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.radix import Node, RadixTree
+from serving_integration.simulator.router import make_router
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,9 @@ class SimConfig:
     max_running_requests: int = 256
     predictor_cost_s: float = 0.0  # charged per batched predictor call
     charge_measured_predictor_time: bool = False  # charge the measured wall time instead (not reproducible)
+    replicas: int = 1  # servers behind the router; gpu_tokens is their total, split evenly
+    routing: str = "none"  # the router's policy (serving_integration/simulator/router.py)
+    router: dict = field(default_factory=dict)  # routing policy name -> its options
     end_signal_delay_s: float = 0.0  # the end signal arrives this long after a workflow's last call
     end_signal_loss: float = 0.0  # share of end signals lost (seeded)
     inactivity_timeout_s: float = math.inf  # retire a workflow silent this long
@@ -81,6 +89,10 @@ class Request:
     context: int = 0
     decode_left: int = 0
     ttft: float = math.nan
+    scheduled: float = 0.0  # when the call was issued (previous call's finish + tool time)
+    admitted: float = math.nan
+    clocks: tuple = ()  # the simulator's time-split clocks at admission
+    server: "Server | None" = None
 
 
 class FutureIndex:
@@ -132,35 +144,36 @@ class Counters:
     prefetch_used_tokens: int = 0
     predictor_calls: int = 0
     predictor_time_s: float = 0.0
+    ttfts: list = field(default_factory=list)
+    latencies: list = field(default_factory=list)
+    # summed over calls: tool time, admission wait, and the time spent in prefill compute, decode,
+    # PCIe loads and charged predictor time while the call ran (each call's latency is the sum)
+    time_tool_s: float = 0.0
+    time_queue_s: float = 0.0
+    time_prefill_s: float = 0.0
+    time_decode_s: float = 0.0
+    time_pcie_s: float = 0.0
+    time_predictor_s: float = 0.0
     ended_by_signal: int = 0
     ended_by_timeout: int = 0  # finished workflows whose end signal was lost
     live_timeouts: int = 0  # live workflows retired by the timeout during a long tool call
-    ttfts: list = field(default_factory=list)
-    latencies: list = field(default_factory=list)
 
 
-class Simulator:
-    def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
-                 policy_options: dict | None = None, prefetch: str = "none",
-                 predictions: PredictionSource | None = None, gamma: float = 0.5):
-        self.workflows, self.config, self.cost = workflows, config, cost
+class Server:
+    """One simulated SGLang server (a replica): its two-tier radix tree, eviction policy, workflow
+    ledger, scheduler queues, clock and counters. The Simulator drives one or more of them."""
+
+    def __init__(self, sim: "Simulator", index: int, gpu_tokens: int, policy: str, policy_options: dict | None,
+                 prefetch: str, gamma: float, record_decisions: bool = False):
+        self.sim, self.index, self.config, self.cost = sim, index, sim.config, sim.cost
         self.ledger = WorkflowLedger(gamma)
-        self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
-        self.policy = make_policy(policy, self.ledger, next_use=self.future.next_use if self.future else None,
+        self.policy = make_policy(policy, self.ledger, next_use=sim.future.next_use if sim.future else None,
                                   **(policy_options or {}))
         self.prefetch = Prefetch(prefetch, self.ledger)
-        if (self.policy.uses_predictions or self.prefetch.enabled) and predictions is None:
-            raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
-        self.predictions = predictions
-        self.tree = RadixTree(config.gpu_tokens, int(config.hicache_ratio * config.gpu_tokens),
+        self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
                               on_split=self._on_split, on_evict=self._on_evict)
         self.now = 0.0
-        self.pending = deque(workflows)
-        self.live: dict[str, SimWorkflow] = {}
-        self.running: dict[str, Request] = {}  # workflow id -> its request in flight
-        self.arrivals: list = []
-        self._seq = itertools.count()
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
@@ -168,14 +181,19 @@ class Simulator:
         self.ever_cached: set[int] = set()
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.counters = Counters()
-        lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
-        self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
-        # SGLang's own orders without prefetch never read the ledger: when a workflow is retired
-        # cannot change what they do, so they retire it with its last call (no extra events)
-        self.immediate_end = self.policy.served_by == "sglang" and not self.prefetch.enabled
-        self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
-        self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
-        self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
+        self.calls = 0  # calls routed here
+        # the realized request sequence, for the offline bound (simulator/bound.py): each admitted
+        # request is appended when admitted and again when it finishes
+        self.trace: list[Request] = []
+        # cumulative seconds of prefill compute, decode, PCIe loads and charged predictor time
+        self.clocks = [0.0, 0.0, 0.0, 0.0]
+        # with record_decisions: (time, kind, node key, tokens) of every eviction and prefetch load
+        self.decisions: list | None = [] if record_decisions else None
+
+    @property
+    def load(self) -> int:
+        """Requests in flight here (queued or running): what sglang-router counts as a worker's load."""
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
 
     # ------------------------------------------------------------------ tree callbacks
 
@@ -190,71 +208,52 @@ class Simulator:
             self.prefetched[suffix.id] = suffix.num_tokens
 
     def _on_evict(self, node: Node) -> None:
+        if self.decisions is not None:
+            self.decisions.append((self.now, "evict", node.key_id, node.num_tokens))
         self.prefetched.pop(node.id, None)
         self.policy.on_evict(node)
 
-    # ------------------------------------------------------------------ workflows
+    # ------------------------------------------------------------------ one scheduler step
 
-    def _start_workflows(self) -> None:
-        while self.pending and len(self.live) < self.config.concurrency:
-            wf = self.pending.popleft()
-            wf.start_time = self.now
-            self.live[wf.id] = wf
-            self.ledger.start(wf.id)
-            self._arrive_at(self.now, wf)
-            if self.future:
-                self.future.next_start = wf.order + 1
-                self._refresh_future(wf)
+    def receive(self, t: float, wf: SimWorkflow) -> None:
+        """A call issued at time t arrives; an idle server prefetches through the idle time first."""
+        if t > self.now:
+            self._prefetch(t - self.now)
+            self.now = t
+        self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self))
+        self.calls += 1
 
-    def _arrive_at(self, t: float, wf: SimWorkflow) -> None:
-        heapq.heappush(self.arrivals, (t, next(self._seq), wf))
-
-    def _refresh_future(self, wf: SimWorkflow) -> None:
-        by_key = self.tree.by_key
-        self.tree.refresh_many(by_key[k] for k in self.future.keys_touched(wf) if k in by_key)
-
-    # ------------------------------------------------------------------ main loop
-
-    def run(self) -> Counters:
-        self._start_workflows()
-        while self.arrivals or self.waiting or self.prefilling or self.decoding:
-            self._retire_due()
-            while self.arrivals and self.arrivals[0][0] <= self.now:
-                _, _, wf = heapq.heappop(self.arrivals)
-                self.idle_since.pop(wf.id, None)
-                if not self.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
-                    self.ledger.start(wf.id)
-                self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now))
-            self._admit()
-            if self.prefilling:
-                finished = self._prefill_iteration()
-            elif self.decoding:
-                finished = self._decode_iterations()
-            elif self.waiting:
-                need = self.waiting[0].call.prompt_tokens + self.waiting[0].call.output_tokens
-                raise ValueError(f"a call of workflow {self.waiting[0].wf.id} needs {need} KV tokens, more than "
-                                 f"sim.gpu_tokens={self.config.gpu_tokens} can hold; raise sim.gpu_tokens")
-            else:
-                t = min(self.arrivals[0][0], self._next_retirement())
-                self._prefetch(t - self.now)
-                self.now = t
-                continue
-            for request in finished:
-                self._finish(request)
-            self._predict()
-        return self.counters
+    def step(self) -> None:
+        """Admit what fits, run one prefill iteration (or a run of decode iterations), finish and predict."""
+        self._admit()
+        if self.prefilling:
+            finished = self._prefill_iteration()
+        elif self.decoding:
+            finished = self._decode_iterations()
+        else:
+            need = self.waiting[0].call.prompt_tokens + self.waiting[0].call.output_tokens
+            raise ValueError(f"a call of workflow {self.waiting[0].wf.id} needs {need} KV tokens, more than "
+                             f"one server's share of sim.gpu_tokens={self.config.gpu_tokens} "
+                             f"(replicas={self.config.replicas}) can hold; raise sim.gpu_tokens")
+        sim = self.sim
+        for request in finished:
+            sim._finish(request)
+        self._predict()
 
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
+        try_admit, running = self.sim._try_admit, self.sim.running
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
-            if not self._try_admit(self.waiting[0]):
+            if not try_admit(self.waiting[0]):
                 return
             request = self.waiting.popleft()
+            request.admitted, request.clocks = self.now, tuple(self.clocks)
+            self.trace.append(request)
             self.prefilling.append(request)
-            self.running[request.wf.id] = request
+            running[request.wf.id] = request
 
-    def _try_admit(self, r: Request) -> bool:
+    def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
         path = tree.match(call.units, call.lens)
         # hits are counted in the request's own token counts (a pruned request may need fewer
@@ -313,7 +312,10 @@ class Simulator:
             r.prefill_left -= take
             r.context += take
             budget -= take
-        self.now += seconds + self.cost.pcie_s(loads)
+        pcie = self.cost.pcie_s(loads)
+        self.now += seconds + pcie
+        self.clocks[0] += seconds
+        self.clocks[2] += pcie
         finished, still = [], []
         for r in self.prefilling:
             if r.prefill_left > 0:
@@ -329,13 +331,15 @@ class Simulator:
         batch = len(self.decoding)
         kv = sum(r.context for r in self.decoding)
         steps = min(r.decode_left for r in self.decoding)
-        next_event = min(self.arrivals[0][0] if self.arrivals else INF, self._next_retirement())
+        arrivals = self.sim.arrivals  # the next arrival (or retirement) anywhere ends the run of identical iterations
+        next_event = min(arrivals[0][0] if arrivals else INF, self.sim._next_retirement())
         if next_event < INF:
             gap = next_event - self.now
             steps = max(1, min(steps, math.ceil(gap / self.cost.decode_step_s(batch, kv))))
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
         self._prefetch(seconds)
         self.now += seconds
+        self.clocks[1] += seconds
         finished, still = [], []
         for r in self.decoding:
             r.decode_left -= steps
@@ -346,7 +350,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ finishing
 
-    def _finish(self, r: Request) -> None:
+    def finish(self, r: Request) -> None:
+        """The cache side of a finished call: prompt + output inserted, the path unlocked."""
         wf, call, tree = r.wf, r.call, self.tree
         units, lens, keys = call.units, call.lens, call.keys
         if call.output_tokens > 0:
@@ -360,83 +365,37 @@ class Simulator:
             self.ledger.record_access(node.id, wf.id, call.agent)
         tree.refresh_many(path)
         self.ever_cached.update(keys)
+        self.trace.append(r)
+        c = self.counters
+        c.time_tool_s += call.tool_time
+        c.time_queue_s += r.admitted - r.scheduled
+        clocks, before = self.clocks, r.clocks
+        c.time_prefill_s += clocks[0] - before[0]
+        c.time_decode_s += clocks[1] - before[1]
+        c.time_pcie_s += clocks[2] - before[2]
+        c.time_predictor_s += clocks[3] - before[3]
         self.counters.ttfts.append(r.ttft)
         self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
-        del self.running[wf.id]
-        wf.next_call += 1
-        if wf.next_call < len(wf.calls):
-            self._arrive_at(self.now + wf.calls[wf.next_call].tool_time, wf)
-            self.to_predict.append(wf)
-            self._wait_for_call(wf)
-        else:
-            self.counters.latencies.append(self.now - wf.start_time)
-            del self.live[wf.id]
-            self._end_of_workflow(wf)
-            self._start_workflows()
-        if self.future:
-            self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
-            self._refresh_future(wf)
-
-    # ------------------------------------------------------------------ end of workflows
-
-    def _wait_for_call(self, wf: SimWorkflow) -> None:
-        """wf's call finished: the inactivity timeout runs from now until its next call."""
-        self.idle_since[wf.id] = self.now
-        if self.config.inactivity_timeout_s < INF and not self.immediate_end:
-            heapq.heappush(self.retirements, (self.now + self.config.inactivity_timeout_s, next(self._seq),
-                                              wf.id, self.now))
-
-    def _end_of_workflow(self, wf: SimWorkflow) -> None:
-        if self.immediate_end or (wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0):
-            self.counters.ended_by_signal += 1
-            self.tree.refresh_ids(self.ledger.end(wf.id))
-            return
-        self.finished[wf.id] = wf
-        self.to_predict.append(wf)  # the cache does not know yet that this was the last call
-        self._wait_for_call(wf)
-        if wf.id not in self.lost_signal:
-            heapq.heappush(self.retirements, (self.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
-
-    def _valid(self, event) -> bool:
-        _, _, wf_id, stamp = event
-        if not self.ledger.is_live(wf_id):
-            return False
-        return stamp is None or self.idle_since.get(wf_id) == stamp
-
-    def _next_retirement(self) -> float:
-        while self.retirements and not self._valid(self.retirements[0]):
-            heapq.heappop(self.retirements)
-        return self.retirements[0][0] if self.retirements else INF
-
-    def _retire_due(self) -> None:
-        while self._next_retirement() <= self.now:
-            _, _, wf_id, stamp = heapq.heappop(self.retirements)
-            finished = self.finished.pop(wf_id, None) is not None
-            if stamp is None:
-                self.counters.ended_by_signal += 1
-            elif finished:
-                self.counters.ended_by_timeout += 1
-            else:
-                self.counters.live_timeouts += 1
-            self.idle_since.pop(wf_id, None)
-            self.tree.refresh_ids(self.ledger.end(wf_id))
 
     def _predict(self) -> None:
         batch = [w for w in self.to_predict if self.ledger.is_live(w.id)]
         self.to_predict = []
-        if not batch or self.predictions is None:
+        predictions = self.sim.predictions
+        if not batch or predictions is None:
             return
         started = time.perf_counter()
-        probs = self.predictions.predict(batch)
-        graph_steps = getattr(self.predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
+        probs = predictions.predict(batch)
+        graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
-        self.ledger.set_predictions([w.id for w in batch], self.predictions.agent_names, probs, steps)
+        self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
         for w in batch:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
-        self.now += measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
+        self.now += charged
+        self.clocks[3] += charged
 
     # ------------------------------------------------------------------ prefetch
 
@@ -447,9 +406,10 @@ class Simulator:
             return
         budget = self.cost.pcie_tokens(seconds)
         tree = self.tree
+        running = self.sim.running
         candidates = {}
-        for wf_id in itertools.chain(self.live, self.finished):
-            if wf_id in self.running:
+        for wf_id in itertools.chain(self.sim.live, self.sim.finished):
+            if wf_id in running:
                 continue
             for node_id in self.ledger.nodes_of.get(wf_id, ()):
                 node = tree.by_id.get(node_id)
@@ -475,10 +435,211 @@ class Simulator:
             if tree.gpu_free() < need:
                 continue
             tree.load_back(path)
+            if self.decisions is not None:
+                self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
             self.counters.prefetched_tokens += need
             for n in path:
                 self.prefetched[n.id] = n.num_tokens
+
+
+class Simulator:
+    """The closed-loop client, the router and `config.replicas` servers on one event clock.
+
+    Each server keeps its own clock (the end of its last iteration); the loop always handles the
+    earliest event: a call arriving (routed, then queued at its server) or the step of the busy
+    server whose clock is earliest. With one server this is exactly the single-server loop.
+    `config.gpu_tokens` is the cluster's total: each replica gets gpu_tokens // replicas."""
+
+    def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
+                 policy_options: dict | None = None, prefetch: str = "none",
+                 predictions: PredictionSource | None = None, gamma: float = 0.5,
+                 record_decisions: bool = False):
+        if config.replicas < 1:
+            raise ValueError(f"sim.replicas must be at least 1; got {config.replicas}")
+        self.workflows, self.config, self.cost = workflows, config, cost
+        self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
+        self.predictions = predictions
+        self.servers = [Server(self, i, config.gpu_tokens // config.replicas, policy, policy_options, prefetch, gamma,
+                               record_decisions) for i in range(config.replicas)]
+        first = self.servers[0]
+        if (first.policy.uses_predictions or first.prefetch.enabled) and predictions is None:
+            raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
+        self.router = make_router(config.routing, config.replicas, **dict((config.router or {}).get(config.routing) or {}))
+        if self.router.uses_predictions and predictions is None:
+            raise ValueError(f"routing '{config.routing}' needs a prediction source")
+        self.pending = deque(workflows)
+        self.live: dict[str, SimWorkflow] = {}
+        self.running: dict[str, Request] = {}  # workflow id -> its request in flight
+        self.arrivals: list = []
+        self._seq = itertools.count()
+        lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
+        self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
+        # SGLang's own orders without prefetch never read the ledger: when a workflow is retired
+        # cannot change what they do, so they retire it with its last call (no extra events)
+        self.immediate_end = first.policy.served_by == "sglang" and not first.prefetch.enabled
+        self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
+        self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
+        self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
+
+    # the single server's state, for callers that drive one server
+    @property
+    def tree(self) -> RadixTree:
+        return self.servers[0].tree
+
+    @property
+    def ledger(self) -> WorkflowLedger:
+        return self.servers[0].ledger
+
+    @property
+    def now(self) -> float:
+        return max(s.now for s in self.servers)
+
+    @property
+    def trace(self) -> list[Request]:
+        """Every replica's realized request sequence, one after another (bound.py reads one replica's)."""
+        return self.servers[0].trace if len(self.servers) == 1 else [r for s in self.servers for r in s.trace]
+
+    @property
+    def decisions(self) -> list | None:
+        if self.servers[0].decisions is None or len(self.servers) == 1:
+            return self.servers[0].decisions
+        return sorted((d for s in self.servers for d in s.decisions), key=lambda d: d[0])
+
+    # ------------------------------------------------------------------ workflows
+
+    def _start_workflows(self, now: float) -> None:
+        while self.pending and len(self.live) < self.config.concurrency:
+            wf = self.pending.popleft()
+            wf.start_time = now
+            self.live[wf.id] = wf
+            for server in self.servers:
+                server.ledger.start(wf.id)
+            self._arrive_at(now, wf)
+            if self.future:
+                self.future.next_start = wf.order + 1
+                self._refresh_future(wf)
+
+    def _arrive_at(self, t: float, wf: SimWorkflow) -> None:
+        heapq.heappush(self.arrivals, (t, next(self._seq), wf))
+
+    def _refresh_future(self, wf: SimWorkflow) -> None:
+        keys = self.future.keys_touched(wf)
+        for server in self.servers:
+            by_key = server.tree.by_key
+            server.tree.refresh_many(by_key[k] for k in keys if k in by_key)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> Counters:
+        self._start_workflows(0.0)
+        servers, arrivals, router = self.servers, self.arrivals, self.router
+        while True:
+            server = None
+            for s in servers:
+                if (s.waiting or s.prefilling or s.decoding) and (server is None or s.now < server.now):
+                    server = s
+            retire_at = self._next_retirement()
+            if retire_at < INF and (arrivals or server) and retire_at <= min(
+                    arrivals[0][0] if arrivals else INF, server.now if server else INF):
+                self._retire_next()
+                continue
+            if arrivals and (server is None or arrivals[0][0] <= server.now):
+                t, _, wf = heapq.heappop(arrivals)
+                self.idle_since.pop(wf.id, None)
+                for s in servers:
+                    if not s.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
+                        s.ledger.start(wf.id)
+                servers[router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf)
+                continue
+            if server is None:
+                break
+            server.step()
+        return self.counters()
+
+    def counters(self) -> Counters:
+        """The cluster's counters: the one server's, or the sum over servers."""
+        if len(self.servers) == 1:
+            return self.servers[0].counters
+        total = Counters()
+        for s in self.servers:
+            for f in fields(Counters):
+                setattr(total, f.name, getattr(total, f.name) + getattr(s.counters, f.name))
+        return total
+
+    def _try_admit(self, r: Request) -> bool:
+        return r.server.try_admit(r)
+
+    def _finish(self, r: Request) -> None:
+        server, wf = r.server, r.wf
+        server.finish(r)
+        del self.running[wf.id]
+        wf.next_call += 1
+        if wf.next_call < len(wf.calls):
+            self._arrive_at(server.now + wf.calls[wf.next_call].tool_time, wf)
+            server.to_predict.append(wf)
+            self._wait_for_call(wf, server.now)
+        else:
+            server.counters.latencies.append(server.now - wf.start_time)
+            del self.live[wf.id]
+            self._end_of_workflow(wf, server)
+            self.router.forget(wf.id)
+            self._start_workflows(server.now)
+        if self.future:
+            self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
+            self._refresh_future(wf)
+
+
+    # ------------------------------------------------------------------ end of workflows
+
+    def _wait_for_call(self, wf: SimWorkflow, now: float) -> None:
+        """wf's call finished: the inactivity timeout runs from now until its next call."""
+        self.idle_since[wf.id] = now
+        if self.config.inactivity_timeout_s < INF and not self.immediate_end:
+            heapq.heappush(self.retirements, (now + self.config.inactivity_timeout_s, next(self._seq), wf.id, now))
+
+    def _retire(self, wf_id: str) -> None:
+        for s in self.servers:
+            s.tree.refresh_ids(s.ledger.end(wf_id))
+
+    def _end_of_workflow(self, wf: SimWorkflow, server: Server) -> None:
+        if self.immediate_end or (wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0):
+            self.servers[0].counters.ended_by_signal += 1
+            self._retire(wf.id)
+            return
+        self.finished[wf.id] = wf
+        server.to_predict.append(wf)  # the cache does not know yet that this was the last call
+        self._wait_for_call(wf, server.now)
+        if wf.id not in self.lost_signal:
+            heapq.heappush(self.retirements, (server.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
+
+    def _valid(self, event) -> bool:
+        _, _, wf_id, stamp = event
+        if not self.servers[0].ledger.is_live(wf_id):
+            return False
+        return stamp is None or self.idle_since.get(wf_id) == stamp
+
+    def _next_retirement(self) -> float:
+        while self.retirements and not self._valid(self.retirements[0]):
+            heapq.heappop(self.retirements)
+        return self.retirements[0][0] if self.retirements else INF
+
+    def _retire_next(self) -> None:
+        t, _, wf_id, stamp = heapq.heappop(self.retirements)
+        finished = self.finished.pop(wf_id, None) is not None
+        c = self.servers[0].counters
+        if stamp is None:
+            c.ended_by_signal += 1
+        elif finished:
+            c.ended_by_timeout += 1
+        else:
+            c.live_timeouts += 1
+        self.idle_since.pop(wf_id, None)
+        for s in self.servers:  # an idle server's clock moves to the retirement
+            if not (s.waiting or s.prefilling or s.decoding) and s.now < t:
+                s._prefetch(t - s.now)
+                s.now = t
+        self._retire(wf_id)
 
 
 def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
@@ -486,7 +647,10 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     return {
         **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
                          prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
-                         calls=n_calls, makespan_s=makespan),
+                         calls=n_calls, makespan_s=makespan,
+                         time_totals={"tool": c.time_tool_s, "queue": c.time_queue_s, "prefill": c.time_prefill_s,
+                                      "decode": c.time_decode_s, "pcie": c.time_pcie_s,
+                                      "predictor": c.time_predictor_s}),
         "recomputed_tokens": c.recomputed_tokens,
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
@@ -498,8 +662,37 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
     }
 
 
-def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, **policy) -> dict:
+def bound_metrics(sim: Simulator) -> dict:
+    """The offline upper bound on GPU hits for the run's own request sequence (bound.py); in a
+    cluster, the sum over replicas of each one's bound on the calls routed to it, at its capacity."""
+    tokens, methods, intervals, rows, nonzeros = 0, [], 0, 0, 0
+    for server in sim.servers:
+        result = upper_bound(sequence_from_trace(server.trace), server.tree.gpu_capacity)
+        log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", result.method, result.intervals,
+                 result.rows, result.nonzeros, result.seconds)  # wall time stays out of the (reproducible) row
+        tokens += result.hit_tokens
+        methods.append(result.method)
+        intervals, rows, nonzeros = intervals + result.intervals, rows + result.rows, nonzeros + result.nonzeros
+    c = sim.counters()
+    method = "+".join(dict.fromkeys(methods))
+    if sim.servers[0].prefetch.enabled:  # prefetched-then-read tokens are not kept intervals (bound.py, point 5)
+        tokens += c.prefetch_used_tokens
+        method += "+prefetched"
+    tokens = min(tokens, c.prompt_tokens)
+    return {"bound_hit_rate": tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "bound_hit_tokens": tokens, "bound_method": method, "bound_intervals": intervals,
+            "bound_rows": rows, "bound_nonzeros": nonzeros}
+
+
+def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
+             **policy) -> dict:
+    """Replay the workflows under one policy; the summary metrics, with the run's upper bound
+    (`bound_hit_rate`, bound.py) unless bound=False."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
-    return summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    result = summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    calls = [s.calls for s in sim.servers]
+    result.update(replica_calls=calls, load_imbalance=max(calls) / (sum(calls) / len(calls)) if sum(calls) else 1.0,
+                  migrations=sim.router.migrations)
+    return {**result, **bound_metrics(sim)} if bound else result

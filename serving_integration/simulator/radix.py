@@ -201,6 +201,21 @@ class RadixTree:
             node, i = child, i + n
         return path
 
+    def peek(self, units: Sequence) -> tuple[int, int]:
+        """Units of the longest cached prefix held on GPU, and in all (GPU then host), without
+        touching the tree (no access time, no split): what a router may ask of a replica."""
+        node, i, on_gpu = self.root, 0, 0
+        while i < len(units) and units[i] in node.children:
+            child = node.children[units[i]]
+            n = _common(child.units, units, i)
+            i += n
+            if child.on_gpu:
+                on_gpu = i
+            if n < len(child.units):
+                break
+            node = child
+        return on_gpu, i
+
     def insert(self, units: Sequence, lens: Sequence[int]) -> tuple[int, list[Node]]:
         """Insert a key whose KV the caller holds on the GPU; returns (tokens the tree already
         had on the GPU, which the caller frees as duplicates, and the path). Nodes the key

@@ -1,0 +1,108 @@
+"""train.py with bad settings, outputs over its input, and hostile checkpoint files."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import train as train_py
+from data.cli import compose_config
+from data.config_checks import train_schema, validate
+from data.errors import ConfigError, run_reported
+from models.checkpoint import CheckpointError, load_predictor, read_checkpoint
+from tests.conftest import REPO
+
+CASES = [
+    ("horizon", 0, "horizon=0: Input should be greater than or equal to 1"),
+    ("seed", -3, "seed=-3: Input should be greater than or equal to 0"),
+    ("torch_threads", 0, "torch_threads=0: Input should be greater than or equal to 1"),
+    ("checkpoint_name", "", "checkpoint_name='': String should have at least 1 character"),
+    ("datamodule.batch_size", 0, "datamodule.batch_size=0: Input should be greater than or equal to 1"),
+    ("datamodule.max_path", -1, "datamodule.max_path=-1: Input should be greater than or equal to 1"),
+    ("datamodule.text_source", "pixels", "datamodule.text_source=pixels: should be one of auto, hidden, encoder, "
+                                         "none"),
+    ("model.optimizer.lr", 0, "model.optimizer.lr=0: Input should be greater than 0"),
+    ("model.optimizer.weight_decay", -1, "model.optimizer.weight_decay=-1: Input should be greater than or equal to 0"),
+    ("trainer.max_epochs", -2, "trainer.max_epochs=-2: Input should be greater than or equal to -1"),
+    ("data.path", "/no/such/dataset", "data.path=/no/such/dataset: no such directory"),
+    ("data.split.test", 1.0, "data.split.test=1.0: Input should be less than 1"),
+    ("data.source.n_workflows", 0, "data.source.n_workflows=0: Input should be greater than or equal to 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def base():
+    cfg = compose_config("train", [])
+    validate(cfg, train_schema())
+    return cfg
+
+
+@pytest.mark.parametrize("key, value, message", CASES, ids=[f"{k}={v}" for k, v, _ in CASES])
+def test_bad_setting_is_one_line_naming_it(base, key, value, message):
+    cfg = base.copy()
+    OmegaConf.update(cfg, key, value, merge=False)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, train_schema())
+    assert str(e.value) == message
+
+
+def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    (dataset / "meta.json").write_text("{}")
+    monkeypatch.setattr(train_py, "train", lambda *a: pytest.fail("trained into its input"))
+    cfg = base.copy()
+    OmegaConf.update(cfg, "data.path", str(dataset), merge=False)
+    for run_dir in (dataset, tmp_path):
+        assert run_reported(train_py.run, cfg, run_dir) == 1
+        assert "input" in capsys.readouterr().err
+    OmegaConf.update(cfg, "horizon", 0, merge=False)
+    assert run_reported(train_py.run, cfg, tmp_path / "run") == 2
+    assert capsys.readouterr().err == "error: horizon=0: Input should be greater than or equal to 1\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ds", "meta.json"]
+
+
+def test_command_line_exit_status_2_and_no_traceback(tmp_path, capsys, monkeypatch):
+    """The Hydra entry point itself, in this process (a subprocess would spend seconds importing)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", f"--config-path={REPO / 'conf'}", f"hydra.run.dir={tmp_path / 'run'}",
+                                      "model=markov", "logger=csv", "datamodule.batch_size=0"])
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as e:
+        train_py.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: datamodule.batch_size=0: Input should be greater than or equal to 1" in err
+    assert not (tmp_path / "run" / "predictor.pt").exists() and not (tmp_path / "run" / "metrics.json").exists()
+
+
+class Hostile:
+    """Unpickling it calls Path.touch: any code could run the same way."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def test_a_crafted_pickle_raises_and_runs_nothing(tmp_path):
+    from models.intentkv.train import load_residual_head
+
+    path, marker = tmp_path / "predictor.pt", tmp_path / "ran"
+    torch.save({"format": "x", "payload": Hostile(marker)}, path)
+    for load in (read_checkpoint, load_predictor, load_residual_head):
+        with pytest.raises(CheckpointError, match=f"{path}: not a readable"):
+            load(path)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the file is hostile indeed: a plain load runs its code
+    assert marker.exists()
+
+
+def test_no_loader_unpickles_code():
+    found = subprocess.run(["grep", "-rn", "--include=*.py", "weights_only=False", "data", "models",
+                            "serving_integration", "train.py", "evaluate.py"], cwd=REPO, capture_output=True, text=True)
+    assert found.stdout == ""
