@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -148,7 +148,8 @@ def _nonempty_unique(values):
 
 def evaluate_schema() -> dict[str, type[BaseModel]]:
     from models.intentkv.pruning import LAYOUTS, METHODS
-    from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES, Prefetch
+    from serving_integration.cache.policies import PBKV, POLICIES as EVICTION_POLICIES, Prefetch
+    from serving_integration.cache.predictions import NoisySource
     from serving_integration.experiments.evaluation import POLICIES
     from serving_integration.simulator.router import ROUTERS
 
@@ -192,6 +193,19 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
     class Pbkv(Group):
         horizon: Count
         gamma: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+        trust: Union[Annotated[str, one_of(PBKV.TRUST)],
+                     Annotated[list[Annotated[str, one_of(PBKV.TRUST)]], Field(min_length=1),
+                               AfterValidator(_nonempty_unique)]] = "adaptive"
+        trust_threshold: Probability = 0.5
+        trust_margin: Probability = 0.1
+        trust_window: Count = 32
+
+        @model_validator(mode="after")
+        def _band(self):
+            if not 0 <= self.trust_threshold - self.trust_margin <= self.trust_threshold + self.trust_margin <= 1:
+                raise ValueError(f"pbkv.trust_threshold +- pbkv.trust_margin must lie in [0, 1]; got "
+                                 f"{self.trust_threshold} +- {self.trust_margin}")
+            return self
 
     class Tlru(Group):
         threshold: NonNeg = 0
@@ -205,6 +219,10 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
         train: Optional[Annotated[str, one_of(model_families())]] = None
         max_unknown: Probability = 0.5
         noise: Probability = 0.0
+        noise_kind: Annotated[str, one_of(NoisySource.KINDS)] = "uniform"
+        online: bool = True
+        online_beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+        train_overrides: list[str] = []
         cost_s: NonNeg = 0.0
 
     PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -241,7 +259,12 @@ def data_schema(prefix: str) -> dict[str, type[BaseModel]]:
         n_workflows: Optional[Count] = None
         seed: Optional[Seed] = None
 
-    return {prefix: Data, f"{prefix}.split": Split, f"{prefix}.source": Source}
+    class Workload(Group):  # generated workloads (data/generators.py, data/task_text.py)
+        cue_noise: Probability = 0.1
+        template_holdout: bool = True
+
+    return {prefix: Data, f"{prefix}.split": Split, f"{prefix}.source": Source,
+            f"{prefix}.source.workload": Workload}
 
 
 # -------------------------------------------------------------------- train.py

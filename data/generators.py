@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data.schema import SegmentTable, Traces, call_record
+from data.task_text import TaskSpace, template_id
 from data.tokenizer import TokenCounter
 
 
@@ -175,6 +176,7 @@ class Workload:
             self.run(wf, rng)
             calls.extend(wf.finish())
         meta = {"format": "generated", "workload": self.name, "n_workflows": n_workflows, "seed": seed,
+                "template_holdout": bool(getattr(getattr(self, "text", None), "template_holdout", False)),
                 "tokenizer": f"task text: {counter.name}; other segments: drawn counts",
                 "agent_graph": self.agent_graph()}
         return Traces(calls, segments, meta)
@@ -200,26 +202,82 @@ _FILMS = ["The Silent Harbor", "Glass Orchard", "Northern Static", "A Map of Riv
           "Copper Sky", "Hollow Crown Road", "Paper Lanterns"]
 _PLACES = ["Lisbon", "Kraków", "Osaka", "Tunis", "Bergen", "Valparaíso", "Tbilisi", "Quebec City", "Porto",
            "Ljubljana", "Da Nang", "Cusco"]
-_HOVER_TEMPLATES = {
-    1: ["{p} was born in {c}.", "{f} premiered in {c}.", "{p} directed {f}."],
-    2: ["The director of {f} was born in {c}.", "The city where {p} was born hosted the premiere of {f}.",
-        "The spouse of {p} starred in {f}."],
-    3: ["The director of the film that premiered in {c} was born in the same year as {p}.",
-        "The composer of the score of {f} studied in the city where {p} was born.",
-        "The brother of the actor who starred in {f} founded a theatre in {c}."],
-    4: ["The university attended by the director of the film in which {p} starred is in the country whose "
-        "capital is {c}.",
-        "The teacher of the composer who scored the film that premiered in {c} was born in the same town as {p}.",
-        "The band whose singer starred in the film directed by the sister of {p} was formed in the city "
-        "that hosted the premiere of {f}."],
-}
+_YEARS = [str(y) for y in range(1921, 2021, 7)]
+# relations wrapping an entity X (a claim of h hops chains h - 1 of them under a predicate); each
+# has paraphrases, which do not change the template
+_HOVER_RELATIONS = [
+    ["the director of {x}", "the person who directed {x}", "the filmmaker behind {x}"],
+    ["the spouse of {x}", "the person married to {x}"],
+    ["the film in which {x} starred", "the movie that featured {x}", "the picture starring {x}"],
+    ["the city where {x} was born", "the birthplace of {x}", "the town {x} comes from"],
+    ["the composer who scored {x}", "the composer of the music for {x}"],
+    ["the university attended by {x}", "the school where {x} studied"],
+    ["the sister of {x}", "the older sister of {x}"],
+    ["the band whose singer is {x}", "the group fronted by {x}"],
+    ["the teacher of {x}", "the mentor of {x}", "the person who trained {x}"],
+    ["the studio that produced {x}", "the production company of {x}"],
+    ["the novel adapted into {x}", "the book on which {x} is based"],
+    ["the festival that premiered {x}", "the event where {x} was first shown"],
+]
+_HOVER_PREDICATES = [
+    ["{s} was born in {c}.", "{s} is a native of {c}.", "{s} came into the world in {c}."],
+    ["{s} premiered in {c}.", "{s} was first shown in {c}."],
+    ["{s} was founded in {y}.", "{s} dates back to {y}."],
+    ["{s} is based in {c}.", "{s} has its headquarters in {c}."],
+    ["{s} won a prize in {y}.", "{s} received an award in {y}."],
+    ["{s} lived in {c} for a decade.", "{s} spent ten years in {c}."],
+]
+_HOVER_ANCHORS = [_PEOPLE, _FILMS, _PLACES]
+_HOVER_FRAMES = [
+    "Verify the claim against Wikipedia. Claim: {body}",
+    "Is the following claim supported by Wikipedia? {body}",
+    "Fact-check this statement using Wikipedia articles: {body}",
+    "Claim to check: {body} Answer SUPPORTED or NOT_SUPPORTED.",
+    "Using Wikipedia, decide whether this is true. {body}",
+    "A reader submitted this claim; check it against Wikipedia. {body}",
+]
+_HOVER_DISTRACTORS = [
+    "The claim was flagged by a reader from {c}.",
+    "Note that the director of {f} also wrote a memoir.",
+    "{p} is sometimes confused with the spouse of {p2}.",
+    "An earlier version of this claim mentioned {f}.",
+    "The sister of {p} gave an interview in {c} in {y}.",
+    "Do not rely on the film {f}'s fan wiki.",
+    "The birthplace of {p} is disputed in some sources.",
+]
+
+
+def hover_claim(rng: np.random.Generator, hops: int) -> tuple[str, str]:
+    """(claim, template id) for a claim of `hops` hops: a predicate over a chain of hops - 1 relations."""
+    predicate = int(rng.integers(len(_HOVER_PREDICATES)))
+    wording = int(rng.integers(len(_HOVER_PREDICATES[predicate])))
+    relations = [int(rng.integers(len(_HOVER_RELATIONS))) for _ in range(hops - 1)]
+    anchor = int(rng.integers(len(_HOVER_ANCHORS)))
+    subject = _pick(rng, _HOVER_ANCHORS[anchor])
+    for r in relations:
+        subject = _pick(rng, _HOVER_RELATIONS[r]).format(x=subject)
+    claim = _HOVER_PREDICATES[predicate][wording].format(s=subject, c=_pick(rng, _PLACES), y=_pick(rng, _YEARS))
+    return claim[0].upper() + claim[1:], template_id(hops, f"{predicate}.{wording}", anchor, *relations)
+
+
+def fill(rng: np.random.Generator, texts: list[str]) -> list[str]:
+    """Distractor sentences with their slots filled."""
+    people = rng.permutation(len(_PEOPLE))
+    slots = dict(p=_PEOPLE[people[0]], p2=_PEOPLE[people[1]], f=_pick(rng, _FILMS), c=_pick(rng, _PLACES),
+                 y=_pick(rng, _YEARS), m=_pick(rng, _MODULES), fn=_pick(rng, _FUNCS), co=_pick(rng, _COMPANIES),
+                 n=str(int(rng.integers(1000, 40000))))
+    return [t.format(**slots) for t in texts]
 
 
 class Hover(Workload):
     """Multi-hop fact checking (HoVer + LangChain): retrieve -> summarize, then per further hop
     query_generator -> retriever -> summarizer; a verifier closes and sometimes asks for one more hop.
 
-    Latent: the claim's hop count (1-4), visible as its number of nested relations.
+    Latent: the claim's hop count (1-4), visible as its number of nested relations (with
+    probability cue_noise the claim is written with another hop count); whether the verifier asks
+    for one more hop is a hidden outcome the text does not reveal. Claims are compositional
+    (data/task_text.py): a predicate over a chain of relations, each paraphrased, among distractor
+    sentences; thousands of templates, split so that val / test templates are unseen in train.
     """
 
     name = "hover"
@@ -227,7 +285,8 @@ class Hover(Workload):
 
     def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
                  passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
-                 system_prompt_tokens=None):
+                 system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.hop_probs = np.asarray(hop_probs, dtype=float) / np.sum(hop_probs)
         self.extra_hop_prob = extra_hop_prob
         self.passages_per_search = tuple(passages_per_search)
@@ -238,10 +297,11 @@ class Hover(Workload):
 
     def task_and_latent(self, rng):
         hops = int(rng.choice(len(self.hop_probs), p=self.hop_probs)) + 1
-        claim = _pick(rng, _HOVER_TEMPLATES[hops]).format(p=_pick(rng, _PEOPLE), f=_pick(rng, _FILMS),
-                                                          c=_pick(rng, _PLACES))
+        shown = self.text.cue(rng, hops, range(1, len(self.hop_probs) + 1))
+        claim, template = hover_claim(rng, shown)
+        task = self.text.compose(rng, _HOVER_FRAMES, claim, fill(rng, _HOVER_DISTRACTORS))
         extra = int(rng.random() < self.extra_hop_prob * hops / 2)  # harder claims need a recheck more often
-        return f"Verify the claim against Wikipedia. Claim: {claim}", {"hops": hops, "extra_hops": extra}
+        return task, self.text.latent(template, shown, hops=hops, extra_hops=extra)
 
     def agent_graph(self):
         return {"kind": "transitions", "start": ["retriever"],
@@ -275,19 +335,40 @@ _MODULES = ["requests/sessions.py", "django/db/models/query.py", "sympy/core/exp
             "matplotlib/axes/_base.py"]
 _FUNCS = ["merge_settings", "bulk_update", "as_coeff_add", "make_response", "fromstring", "check_array",
           "getstatement", "set_xlim"]
-_ISSUE_TEMPLATES = {
-    "easy": ["Typo in the docstring of `{f}` in {m}.", "`{f}` in {m} has a misleading error message.",
-             "Deprecation warning text in `{f}` ({m}) names the wrong version."],
-    "medium": ["`{f}` in {m} returns a wrong result when an argument is None.",
-               "`{f}` ({m}) ignores the keyword argument passed by the caller.",
-               "Off-by-one error in `{f}` in {m} for empty inputs."],
-    "hard": ["Race condition: `{f}` in {m} intermittently deadlocks when called from several threads, and "
-             "the existing tests pass; a regression after the caching refactor.",
-             "Memory leak and wrong results in `{f}` ({m}) when subclasses override __eq__; affects "
-             "pickling and several downstream modules.",
-             "`{f}` in {m} breaks under the new backend: inconsistent state across three modules, "
-             "needs an API-compatible redesign."],
+_SYMPTOMS = {
+    "easy": ["there is a typo in the docstring of `{fn}`", "`{fn}` raises an error whose message is misleading",
+             "the deprecation warning of `{fn}` names the wrong version", "the docs of `{fn}` link to a dead page",
+             "the docstring of `{fn}` states the wrong default"],
+    "medium": ["`{fn}` returns a wrong result when an argument is None", "`{fn}` ignores a keyword argument",
+               "`{fn}` is off by one for empty inputs", "`{fn}` fails on non-ASCII input",
+               "`{fn}` returns the wrong dtype for integer input"],
+    "hard": ["`{fn}` intermittently deadlocks when called from several threads",
+             "`{fn}` leaks memory when subclasses override __eq__",
+             "`{fn}` leaves state inconsistent across modules under the new backend",
+             "`{fn}` became quadratic after the caching refactor",
+             "objects returned by `{fn}` no longer pickle across versions"],
 }
+_ISSUE_CONTEXTS = ["In {m}, {s}.", "{S} ({m}).", "Since the last release, {s} in {m}.",
+                   "A user reports that {s}; the code is in {m}.", "When running the examples of {m}, {s}."]
+_HARD_TAILS = [" The existing tests pass.", " It is a regression.", " Several downstream modules are affected.",
+               " It needs an API-compatible redesign."]
+_ISSUE_FRAMES = ["Resolve this GitHub issue. {body}", "Fix the following bug report. {body}",
+                 "Issue: {body} Write a patch and make the test suite pass.",
+                 "Please investigate and fix: {body}"]
+_ISSUE_DISTRACTORS = ["Possibly related to #{n}.", "The maintainers labelled it 'needs triage'.",
+                      "Another user mentions a deadlock in an unrelated module, fixed last year.",
+                      "A typo in the README was fixed separately.", "The reporter uses {m} daily.",
+                      "This was discussed on the mailing list in {y}.", "`{fn}` is also used by the CLI."]
+
+
+def issue_text(rng: np.random.Generator, difficulty: str) -> tuple[str, str]:
+    """(issue body, template id): a context sentence around one symptom of the difficulty; hard
+    issues add a tail."""
+    symptom, context = int(rng.integers(len(_SYMPTOMS[difficulty]))), int(rng.integers(len(_ISSUE_CONTEXTS)))
+    text = _SYMPTOMS[difficulty][symptom].format(fn=_pick(rng, _FUNCS))
+    body = _ISSUE_CONTEXTS[context].format(s=text, S=text[0].upper() + text[1:], m=_pick(rng, _MODULES))
+    tail = int(rng.integers(len(_HARD_TAILS))) if difficulty == "hard" else -1
+    return body + (_HARD_TAILS[tail] if tail >= 0 else ""), template_id(difficulty, symptom, context, tail)
 
 
 class SweBench(Workload):
@@ -295,15 +376,17 @@ class SweBench(Workload):
     work back to the coder, and every `replan_after` failures in a row back to the planner; a
     reviewer closes once tests pass or attempts run out.
 
-    Latent: difficulty (easy / medium / hard), visible in the issue text; it sets the chance
-    that a test run fails, hence the number of retry loops.
+    Latent: difficulty (easy / medium / hard), visible in the issue text (with probability
+    cue_noise the text is one of another difficulty); it sets the chance that a test run fails,
+    and the runs' outcomes, hence the number of retry loops, are hidden from the text.
     """
 
     name = "swebench"
     visible_latent = ("difficulty",)
 
     def __init__(self, difficulty_probs=None, fail_prob=None, max_attempts=6, replan_after=3,
-                 test_seconds=20.0, system_prompt_tokens=None):
+                 test_seconds=20.0, system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.difficulty_probs = difficulty_probs or {"easy": 0.35, "medium": 0.4, "hard": 0.25}
         self.fail_prob = fail_prob or {"easy": 0.15, "medium": 0.45, "hard": 0.7}
         self.max_attempts = max_attempts
@@ -316,11 +399,13 @@ class SweBench(Workload):
         names = list(self.difficulty_probs)
         p = np.asarray([self.difficulty_probs[d] for d in names], dtype=float)
         difficulty = names[int(rng.choice(len(names), p=p / p.sum()))]
-        issue = _pick(rng, _ISSUE_TEMPLATES[difficulty]).format(f=_pick(rng, _FUNCS), m=_pick(rng, _MODULES))
+        shown = self.text.cue(rng, difficulty, names)
+        issue, template = issue_text(rng, shown)
+        task = self.text.compose(rng, _ISSUE_FRAMES, issue, fill(rng, _ISSUE_DISTRACTORS))
         failures = 0
         while failures < self.max_attempts - 1 and rng.random() < self.fail_prob[difficulty]:
             failures += 1
-        return f"Resolve this GitHub issue. {issue}", {"difficulty": difficulty, "failed_test_runs": failures}
+        return task, self.text.latent(template, shown, difficulty=difficulty, failed_test_runs=failures)
 
     def agent_graph(self):
         return {"kind": "transitions", "start": ["planner"],
@@ -351,6 +436,20 @@ _COMPANIES = ["3M", "Adobe", "Amcor", "Boeing", "Costco", "Johnson & Johnson", "
               "Nike", "Oracle"]
 _METRICS = ["revenue", "operating income", "capital expenditure", "free cash flow", "net income"]
 _RATIOS = ["quick", "current", "debt-to-equity", "gross margin", "inventory turnover"]
+_QUESTIONS = {
+    "lookup": ["What was {co}'s {me} in FY{y}?", "Report {co}'s FY{y} {me}.", "How much {me} did {co} book in FY{y}?",
+               "Find the {me} {co} disclosed for fiscal {y}."],
+    "ratio": ["What is {co}'s FY{y} {ra} ratio, from its balance sheet?", "Compute {co}'s {ra} ratio for FY{y}.",
+              "From the FY{y} 10-K, what {ra} ratio does {co} show?"],
+    "trend": ["How did {co}'s {me} change from FY{y0} to FY{y}, and what drove the change?",
+              "Explain the movement in {co}'s {me} between FY{y0} and FY{y}.",
+              "What trend does {co}'s {me} show over FY{y0}-FY{y}, and why?"],
+}
+_FINANCE_FRAMES = ["Answer from the company's SEC filings. {body}", "Using the annual reports only: {body}",
+                   "{body} Cite the filing.", "Question for the analyst team: {body}"]
+_FINANCE_DISTRACTORS = ["Figures are in millions of USD.", "Ignore restated numbers.",
+                        "Peers such as {co} are not part of the question.", "A ratio is not needed.",
+                        "The trend of the sector is out of scope.", "Last year's answer used the 10-Q."]
 
 
 class FinanceBench(Workload):
@@ -359,15 +458,18 @@ class FinanceBench(Workload):
     in a ReAct loop of a fixed number of LLM calls (`react_steps`), each after a tool's result:
     the retriever searches the filing three times, the calculator runs code twice.
 
-    Latent: question type (lookup / ratio / trend), visible in the question; it changes the size of
-    the retrieved filing excerpts and outputs, never the path.
+    Latent: question type (lookup / ratio / trend), visible in the question (with probability
+    cue_noise it is worded as another type); it changes the size of the retrieved filing excerpts
+    and outputs, never the path.
     """
 
     name = "financebench"
     visible_latent = ("question_type",)
     _filing_median = {"lookup": 2000, "ratio": 3500, "trend": 6000}
 
-    def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None):
+    def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None,
+                 cue_noise=0.1, template_holdout=True):
+        self.text = TaskSpace(cue_noise, template_holdout)
         self.type_probs = type_probs or {"lookup": 0.4, "ratio": 0.35, "trend": 0.25}
         self.retrieval_seconds = retrieval_seconds
         self.react_steps = react_steps or {"retriever": 3, "analyst": 1, "calculator": 2, "writer": 1}
@@ -378,14 +480,14 @@ class FinanceBench(Workload):
         names = list(self.type_probs)
         p = np.asarray([self.type_probs[t] for t in names], dtype=float)
         kind = names[int(rng.choice(len(names), p=p / p.sum()))]
-        company, year = _pick(rng, _COMPANIES), int(rng.integers(2015, 2023))
-        question = {
-            "lookup": f"What was {company}'s {_pick(rng, _METRICS)} in FY{year}?",
-            "ratio": f"What is {company}'s FY{year} {_pick(rng, _RATIOS)} ratio, from its balance sheet?",
-            "trend": f"How did {company}'s {_pick(rng, _METRICS)} change from FY{year - 2} to FY{year}, "
-                     f"and what drove the change?",
-        }[kind]
-        return f"Answer from the company's SEC filings. {question}", {"question_type": kind}
+        shown = self.text.cue(rng, kind, names)
+        form = int(rng.integers(len(_QUESTIONS[shown])))
+        year = int(rng.integers(2015, 2023))
+        measure = int(rng.integers(len(_RATIOS if shown == "ratio" else _METRICS)))
+        question = _QUESTIONS[shown][form].format(co=_pick(rng, _COMPANIES), me=_METRICS[measure % len(_METRICS)],
+                                                  ra=_RATIOS[measure % len(_RATIOS)], y=year, y0=year - 2)
+        task = self.text.compose(rng, _FINANCE_FRAMES, question, fill(rng, _FINANCE_DISTRACTORS))
+        return task, self.text.latent(template_id(shown, form, measure), shown, question_type=kind)
 
     def agent_graph(self):
         return {"kind": "pipeline",

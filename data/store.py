@@ -62,15 +62,33 @@ class TraceDataset:
         return sum(self.meta["splits"][s]["workflows"] for s in SPLITS)
 
 
-def assign_splits(workflow_ids: list[str], val: float, test: float, seed: int) -> dict[str, str]:
-    """Seeded assignment of whole workflows to train / val / test (a workflow is never split)."""
+def assign_splits(workflow_ids: list[str], val: float, test: float, seed: int,
+                  groups: dict[str, str] | None = None) -> dict[str, str]:
+    """Seeded assignment of whole workflows to train / val / test (a workflow is never split).
+
+    `groups` (workflow -> task template, for generated workloads with `template_holdout`): whole
+    templates are assigned instead, in a seeded order, to test and val while they fit the
+    requested sizes, and the rest to train, so no val or test template is seen in training."""
     if not (0 <= val < 1 and 0 <= test < 1 and val + test < 1):
         raise ValueError(f"split fractions val={val}, test={test} must be in [0, 1) and sum below 1")
     n = len(workflow_ids)
-    order = np.random.default_rng(seed).permutation(n)
     n_val, n_test = round(n * val), round(n * test)
     if n >= 3:  # keep every requested split non-empty on small sources
         n_val, n_test = max(n_val, int(val > 0)), max(n_test, int(test > 0))
+    if groups:
+        members: dict[str, list[str]] = {}
+        for w in workflow_ids:
+            members.setdefault(groups[w], []).append(w)
+        templates = list(members)
+        split_of, room = {}, {"test": n_test, "val": n_val}
+        for i in np.random.default_rng(seed).permutation(len(templates)):
+            group = members[templates[i]]
+            name = next((s for s in ("test", "val") if len(group) <= room[s]), "train")
+            if name != "train":
+                room[name] -= len(group)
+            split_of.update(dict.fromkeys(group, name))
+        return {w: split_of[w] for w in workflow_ids}
+    order = np.random.default_rng(seed).permutation(n)
     names = np.array(["train"] * n, dtype=object)
     names[order[:n_val]] = "val"
     names[order[n_val:n_val + n_test]] = "test"
@@ -86,14 +104,17 @@ def build(traces: Traces, val: float = 0.1, test: float = 0.1, seed: int = 0) ->
     if not traces.calls:
         raise ValueError("no calls to store (the source is empty)")
     workflow_ids = list(dict.fromkeys(c["workflow_id"] for c in traces.calls))
-    split_of = assign_splits(workflow_ids, val, test, seed)
+    groups = None
+    if traces.meta.get("template_holdout"):  # generated workloads: split by task template
+        groups = {c["workflow_id"]: json.loads(c["latent"])["template"] for c in traces.calls if c["step"] == 0}
+    split_of = assign_splits(workflow_ids, val, test, seed, groups)
     parts = {s: [c for c in traces.calls if split_of[c["workflow_id"]] == s] for s in SPLITS}
     calls = DatasetDict({s: _table(rows, CALL_FEATURES) for s, rows in parts.items()})
     segments = _table(list(traces.segments.values()), SEGMENT_FEATURES)
     meta = {
         "schema_version": SCHEMA_VERSION,
         **traces.meta,
-        "split": {"val": val, "test": test, "seed": seed},
+        "split": {"val": val, "test": test, "seed": seed, "by": "template" if groups else "workflow"},
         "splits": {s: {"workflows": len({c["workflow_id"] for c in rows}), "calls": len(rows)}
                    for s, rows in parts.items()},
         "skipped_lines": [str(issue) for issue in traces.skipped],

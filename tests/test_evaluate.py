@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from serving_integration.experiments.presentation import row_label as label
 from tests.conftest import REPO
 
 ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate", "gpu_hit_tokens",
@@ -30,10 +31,12 @@ def cache(tmp_path_factory):
 def test_every_policy_one_table_and_plots(tmp_path, cache):
     summary, stdout = evaluate(tmp_path / "run", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
-    assert [(r["policy"], r["prefetch"]) for r in rows] == [
-        ("lru", "none"), ("lfu", "none"), ("tlru", "none"), ("kvflow", "aggressive"), ("kvflow", "none"), ("pbkv_lae", "none"),
-        ("pbkv", "none"), ("pbkv", "conservative"), ("pbkv_perfect", "none"), ("pbkv_perfect", "conservative"),
-        ("oracle", "none"), ("oracle", "conservative")]
+    assert [(r["policy"], r["prefetch"], r["trust"]) for r in rows] == [
+        ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "aggressive", "none"),
+        ("kvflow", "none", "none"),        ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
+        ("pbkv", "none", "always"), ("pbkv", "conservative", "always"), ("pbkv_perfect", "none", "always"),
+        ("pbkv_perfect", "conservative", "always"), ("oracle", "none", "none"), ("oracle", "conservative", "none")]
+    assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"adaptive": True, "always": False}
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
@@ -44,6 +47,8 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
         assert parts == pytest.approx(r["mean_workflow_latency_s"], rel=1e-9)
     assert by_gap(rows)
     by = {(r["policy"], r["prefetch"]): r for r in rows}
+    assert {label(r) for r in rows if r["policy"] == "pbkv"} == {"pbkv", "pbkv+conservative", "pbkv [always]",
+                                                                 "pbkv+conservative [always]"}
     assert by["pbkv", "conservative"]["prefetch_precision"] is not None and by["lru", "none"]["prefetch_precision"] is None
     assert by["tlru", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # threshold 0: T-LRU is LRU
     assert summary["predictor"]["family"].startswith("markov")

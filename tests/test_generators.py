@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from data.generators import WORKLOADS, FinanceBench, Hover, SweBench, _FILMS, _PEOPLE, _PLACES
+from data.generators import WORKLOADS, FinanceBench, Hover, SweBench
 
 
 def by_workflow(traces):
@@ -50,19 +50,13 @@ def test_realistic_sizes(name):
     assert any(c["tool_time"] > 0 for c in traces.calls)
 
 
-def skeleton(task: str) -> str:
-    for name in _PEOPLE + _FILMS + _PLACES:
-        task = task.replace(name, "X")
-    return task
-
-
 def test_hover_loops_follow_the_hops_the_claim_reveals():
-    traces = Hover().generate(400, seed=0)
-    hops_of_skeleton, retrievals = {}, defaultdict(list)
+    traces = Hover(cue_noise=0.0).generate(400, seed=0)
+    retrievals = defaultdict(list)
     for calls in by_workflow(traces):
         latent = json.loads(calls[0]["latent"])
-        # the task text determines the hop count: no skeleton appears with two hop counts
-        assert hops_of_skeleton.setdefault(skeleton(calls[0]["task"]), latent["hops"]) == latent["hops"]
+        assert latent["cue"] == latent["hops"]  # without cue noise the claim is written for its hop count
+        assert latent["template"].split("-")[0] == str(latent["hops"])
         n_retrievals = sum(c["agent"] == "retriever" for c in calls)
         assert n_retrievals == latent["hops"] + latent["extra_hops"]
         retrievals[latent["hops"]].append(n_retrievals)
@@ -70,16 +64,42 @@ def test_hover_loops_follow_the_hops_the_claim_reveals():
     assert sorted(retrievals) == [1, 2, 3, 4] and means == sorted(means)
 
 
+@pytest.mark.parametrize("name,key", [("hover", "hops"), ("swebench", "difficulty"), ("financebench", "question_type")])
+def test_cue_noise_weakens_the_text_and_tasks_do_not_repeat(name, key):
+    latents = [json.loads(calls[0]["latent"]) for calls in by_workflow(WORKLOADS[name](cue_noise=0.3).generate(400, 0))]
+    wrong = np.mean([lat["cue"] != lat[key] for lat in latents])
+    assert 0.2 < wrong < 0.4
+    tasks = [calls[0]["task"] for calls in by_workflow(WORKLOADS[name]().generate(300, 0))]
+    assert len(set(tasks)) >= 0.95 * len(tasks)  # paraphrases, fillers and distractors: no two alike
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_val_and_test_templates_are_unseen_in_train(name):
+    from data.store import build
+
+    ds = build(WORKLOADS[name]().generate(400, 0), val=0.1, test=0.1, seed=0)
+    templates = {s: {json.loads(r["latent"])["template"] for r in ds.rows(s)} for s in ("train", "val", "test")}
+    assert not templates["test"] & templates["train"] and not templates["val"] & templates["train"]
+    assert ds.meta["split"]["by"] == "template"
+    assert 30 <= ds.meta["splits"]["test"]["workflows"] <= 40 and 30 <= ds.meta["splits"]["val"]["workflows"] <= 40
+    plain = build(WORKLOADS[name](template_holdout=False).generate(400, 0), val=0.1, test=0.1, seed=0)
+    assert plain.meta["split"]["by"] == "workflow"
+    assert {json.loads(r["latent"])["template"] for r in plain.rows("test")} & {
+        json.loads(r["latent"])["template"] for r in plain.rows("train")}  # without holdout they overlap
+
+
 def test_swebench_retries_follow_difficulty():
-    traces = SweBench().generate(600, seed=0)
+    traces = SweBench(cue_noise=0.0).generate(600, seed=0)
     retries = defaultdict(list)
     for calls in by_workflow(traces):
         latent = json.loads(calls[0]["latent"])
         n_tests = sum(c["agent"] == "tester" for c in calls)
         assert n_tests == latent["failed_test_runs"] + 1
         assert [c["agent"] for c in calls][:3] == ["planner", "coder", "tester"] and calls[-1]["agent"] == "reviewer"
-        assert re.search({"easy": r"Typo|misleading|Deprecation", "medium": r"None|keyword|Off-by-one",
-                          "hard": r"Race|leak|redesign"}[latent["difficulty"]], calls[0]["task"])
+        assert re.search({"easy": r"typo|misleading|deprecation|dead page|wrong default",
+                          "medium": r"None|keyword|off by one|non-ASCII|dtype",
+                          "hard": r"deadlock|leaks|inconsistent|quadratic|pickle"}[latent["difficulty"]],
+                         calls[0]["task"])
         retries[latent["difficulty"]].append(n_tests - 1)
     assert np.mean(retries["easy"]) < np.mean(retries["medium"]) < np.mean(retries["hard"])
     assert max(retries["hard"]) >= 3  # long loops, with replanning, do occur

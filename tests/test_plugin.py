@@ -226,6 +226,24 @@ def test_unified_radix_cache_evicts_in_pbkv_order(checkpoint):
     assert baseline.eviction_order() == ["A", "B", "C"]  # the same calls under SGLang's LRU
 
 
+def test_adaptive_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "trust_window": 1})
+    serving.serve(prompt(10), [1, 2], tag("W", "a"))
+    serving.step()  # predicted: after a, a again (3 of 4)
+    serving.serve(prompt(10) + [1, 2, 3], [4], tag("W", "b", step=1))  # but b comes
+    runtime = serving.runtime
+    assert runtime.stats["trust_switches"] == 1 and not runtime.policy.trusted
+    assert runtime.snapshot()["trusted"] is False and runtime.snapshot()["prediction_quality"] < 0.4
+    three_workflows(serving)
+    assert serving.eviction_order() == ["C", "A", "B"]  # lifecycle-aware LRU, not PBKV's C, B, A
+    always = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "trust": "always"})
+    always.serve(prompt(10), [1, 2], tag("W", "a"))
+    always.step()
+    always.serve(prompt(10) + [1, 2, 3], [4], tag("W", "b", step=1))
+    three_workflows(always)
+    assert always.runtime.policy.trusted and always.eviction_order() == ["C", "B", "A"]
+
+
 def test_lifecycle_lru_evicts_retired_then_lru():
     serving = Serving("pbkv_lae")
     three_workflows(serving)
@@ -300,8 +318,8 @@ def test_failing_predictor_falls_back_to_lifecycle_lru_and_is_counted(checkpoint
     serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0.1})
     runtime = serving.runtime
     good = runtime.predictor.source
-    faulty = {"error": RaisingSource(good.predictor), "nan": nan_source(checkpoint),
-              "timeout": SlowSource(good.predictor)}[fault]
+    model = good.inner.predictor  # the checkpoint, under the default online backoff
+    faulty = {"error": RaisingSource(model), "nan": nan_source(checkpoint), "timeout": SlowSource(model)}[fault]
     serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")
     serving.step()  # a good round for A
     runtime.predictor = GuardedPredictor(faulty, runtime.stats, runtime.config.predictor_timeout_s)

@@ -184,3 +184,58 @@ def test_kvflow_agent_step_graph_declared_pipeline_and_transitions():
     ledger.record_access(7, "w", "analyst")
     ledger.set_predictions(["w"], names, pipeline.predict([at("retriever")]), pipeline.steps_to_execution([at("retriever")]))
     assert ledger.steps_to_execution(7, hold_step=5) == 3
+def test_trust_meter_switches_with_hysteresis():
+    from serving_integration.cache.policies import TrustMeter
+
+    meter = TrustMeter(threshold=0.5, margin=0.1, window=4)
+    assert meter.trusted  # trusted until calls show otherwise
+    flips = [meter.update(0.0) for _ in range(4)]  # 0.75, 0.56, 0.42, 0.32: below 0.5 - 0.1 at the 4th
+    assert meter.quality == pytest.approx(0.75 ** 4) and flips == [False, False, False, True] and not meter.trusted
+    # back above threshold but inside the margin: still distrusted; above threshold + margin: trusted
+    meter.quality = 0.55
+    assert not meter.update(0.55) and not meter.trusted
+    assert meter.update(1.0) and meter.trusted and meter.switches == 2
+    with pytest.raises(ValueError, match="trust"):
+        TrustMeter(threshold=0.95, margin=0.1)
+
+
+def test_adaptive_pbkv_falls_back_to_lifecycle_lru_when_predictions_miss():
+    ledger = WorkflowLedger(gamma=0.5)
+    adaptive, always = PBKV(ledger, trust="adaptive", trust_window=2), PBKV(ledger, trust="always")
+    with pytest.raises(ValueError, match="pbkv.trust"):
+        PBKV(ledger, trust="sometimes")
+    tree, (old, new) = tree_with(adaptive, "ab", "cd")
+    ledger.start("w")
+    ledger.record_access(old.id, "w", "planner")
+    ledger.record_access(new.id, "w", "coder")
+    # the predictor keeps saying planner (old's agent) is next; coder is what comes
+    for _ in range(3):
+        ledger.set_predictions(["w"], AGENTS, one_hot("planner", "END", "END")[None])
+        assert ledger.check_prediction("w", "coder") == 0.0
+        assert ledger.check_prediction("w", "coder") is None  # one test per prediction
+    assert always.observe_call("w", "coder") is False and always.trusted  # the paper's policy never doubts
+    ledger.set_predictions(["w"], AGENTS, one_hot("planner", "END", "END")[None])
+    assert adaptive.trusted
+    assert adaptive.observe_call("w", "coder") is False  # quality 0.5: inside the margin
+    ledger.set_predictions(["w"], AGENTS, one_hot("planner", "END", "END")[None])
+    assert adaptive.observe_call("w", "coder") is True and not adaptive.trusted  # 0.25 < 0.4: flipped
+    # the trusting order keeps the predicted node; untrusted, it is lifecycle-aware LRU (older first)
+    assert always.priority(old) > always.priority(new)
+    assert adaptive.priority(old) < adaptive.priority(new)
+    tree.reprioritize()
+    assert eviction_order(tree) == ["ab", "cd"]
+
+
+def test_reprioritize_rebuilds_the_heaps_in_the_new_order():
+    from serving_integration.simulator.radix import audit
+
+    order = {"key": lambda n: (n.last_access_time,)}
+    tree = RadixTree(10_000, 0, priority=lambda n: order["key"](n))
+    for key in ("ab", "cd", "ef"):
+        tree.private_gpu += 2
+        tree.insert(list(key), [1, 1])
+        tree.private_gpu -= 2
+    order["key"] = lambda n: (-n.last_access_time,)  # the policy switched: newest first now
+    tree.reprioritize()
+    audit(tree)
+    assert eviction_order(tree) == ["ef", "cd", "ab"]

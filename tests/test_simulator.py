@@ -3,6 +3,8 @@ and determinism of whole replays."""
 
 import math
 
+import torch
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -187,3 +189,60 @@ def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
     timed = run(end_signal_loss=1.0, inactivity_timeout_s=5.0)
     assert timed.counters().ended_by_signal == 0 and timed.counters().ended_by_timeout > 0
     assert all(timed.retired_at[w] >= timed.done_at[w] + 5.0 for w in timed.done_at if w in timed.retired_at)
+def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
+    from serving_integration.cache.predictions import NoisySource
+
+    workflows = small_workload("hover", 60, 3)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    adversarial = NoisySource(PerfectSource(names, 3), 1.0, seed=0, kind="adversarial")
+    live = [Simulator([w], SimConfig(), H100).workflows[0] for w in workflows[:5]]
+    for w in live:
+        w.next_call = 1
+    probs = adversarial.predict(live)
+    truth = PerfectSource(names, 3).predict(live)
+    assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[:2], dtype=probs.dtype))
+    assert float((probs * truth).sum()) == 0.0  # no mass on what comes next
+    with pytest.raises(ValueError, match="noise_kind"):
+        NoisySource(PerfectSource(names, 3), 0.5, seed=0, kind="gaussian")
+    config = SimConfig(gpu_tokens=150_000, concurrency=16)
+    run = lambda trust: simulate(workflows, config, H100, policy="pbkv", policy_options={"trust": trust},
+                                 predictions=NoisySource(PerfectSource(names, 3), 1.0, seed=0, kind="adversarial"))
+    always, adaptive = run("always"), run("adaptive")
+    lae = simulate(workflows, config, H100, policy="pbkv_lae")
+    assert adaptive["trust_switches"] >= 1 and not adaptive["trusted_at_end"] and adaptive["prediction_quality"] < 0.1
+    assert always["hit_rate"] < lae["hit_rate"] - 0.01  # misled by the noise
+    assert adaptive["hit_rate"] >= lae["hit_rate"] - 0.01
+
+
+def test_online_backoff_learns_served_transitions_and_new_agents():
+    from types import SimpleNamespace
+
+    from serving_integration.cache.predictions import OnlineBackoff, tell_finished
+
+    class Stubborn:  # a trained predictor that always says "planner" next, and knows no "auditor"
+        agent_names, horizon = ["<unk>", "coder", "planner"], 2
+
+        def predict(self, workflows):
+            probs = torch.zeros(len(workflows), 2, 4)
+            probs[:, :, 2] = 1.0
+            return probs
+
+    source = OnlineBackoff(Stubborn(), beta=2.0)
+    for i in range(30):  # served workflows: coder -> auditor -> END
+        w = SimpleNamespace(id=f"w{i}", agents=["coder"])
+        source.predict([w])
+        w.agents.append("auditor")
+        source.predict([w])
+        tell_finished(source, w)
+    assert source.agent_names == ["<unk>", "coder", "planner", "auditor"]  # grown in place
+    probs = source.predict([SimpleNamespace(id="new", agents=["coder"])])
+    assert probs.shape == (1, 2, 5) and torch.allclose(probs.sum(-1), torch.ones(1, 2, dtype=probs.dtype))
+    assert probs[0, 0, 3] > 0.9  # auditor next, learnt while serving
+    assert probs[0, 1, 4] > 0.9  # then END
+    assert source.weights[1] > 0.9 and source.observed >= 30
+    # the simulator folds finished workflows in too
+    workflows = small_workload("swebench", 20, 0)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    online = OnlineBackoff(AgentStepGraph.from_traces([["planner", "coder"]], 3))
+    simulate(workflows, SimConfig(gpu_tokens=300_000, concurrency=4), H100, policy="pbkv", predictions=online)
+    assert online.observed > 0 and set(names[1:]) <= set(online.agent_names)

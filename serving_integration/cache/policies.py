@@ -13,7 +13,9 @@ Policies (design.md section 5):
     tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)
     kvflow     larger steps-to-execution first, from the agent step graph (KVFlow)
     pbkv_lae   lifecycle-aware: retired cache first, then LRU
-    pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties
+    pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties.
+               trust="adaptive" (default) measures the predictions online and orders as
+               pbkv_lae while they are poor; trust="always" is the paper's policy
     oracle     clairvoyant: furthest next use first (simulator only; it needs the real future)
 
 PBKV's score of node c with the live workflows W_act(c) that used it:
@@ -24,6 +26,17 @@ PBKV's score of node c with the live workflows W_act(c) that used it:
 A_w(c) the indicator of w's agents that accessed c, P_w^(k) the predicted agent distribution k
 calls ahead. The ledger folds each workflow's predictions into one value per agent,
 v_w[a] = sum_k gamma^(k-1) s_w^(k) P_w^(k)[a], so a score costs O(sum_w |A_w(c)|).
+
+Robustness (trust="adaptive"). Learning-augmented caching follows predictions only while they
+earn it, and falls back to a robust order otherwise (Lykouris and Vassilvitskii, ICML 2018; Wei,
+APPROX 2020; Rohatgi, SODA 2020); ARC (Megiddo and Modha, FAST 2003) and LeCaR (Vietri et al.,
+HotStorage 2018) adapt the same way, online, from what the running workload shows. Here the
+evidence is the probability the workflow's last prediction gave the agent that actually came
+next, observed as each call arrives: a `TrustMeter` keeps its exponential moving average and
+switches, with hysteresis, between the prediction score and lifecycle-aware LRU. A switch
+changes every node's priority at once, so the simulator's tree re-heapifies its evictable nodes
+(O(n), only at a switch; between switches an eviction stays O(log n)); SGLang builds its heap
+anew on every eviction pass, so the plugin needs nothing more.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ class WorkflowLedger:
         self.reuse_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> v_w[agent]
         self.next_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> s^(1) P^(1)[agent]
         self.steps_to: dict[str, dict[str, int]] = {}  # workflow -> agent -> first k it is the argmax
+        self.unchecked: dict[str, None] = {}  # workflows whose latest prediction no call has tested yet
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -82,7 +96,7 @@ class WorkflowLedger:
                 owners.pop(workflow, None)
                 if not owners:
                     del self.users[node_id]
-        for table in (self.reuse_value, self.next_value, self.steps_to):
+        for table in (self.reuse_value, self.next_value, self.steps_to, self.unchecked):
             table.pop(workflow, None)
         return nodes
 
@@ -124,10 +138,19 @@ class WorkflowLedger:
                 if alive_k:
                     first.setdefault(agent_names[a], k)
             self.steps_to[w] = first
+            self.unchecked[w] = None
         if steps is not None:
             for w, given in zip(workflows, steps):
                 if w in self.nodes_of:
                     self.steps_to[w] = dict(given)
+
+    def check_prediction(self, workflow: str, agent: str) -> float | None:
+        """A call of `agent` arrived in `workflow`: the probability the workflow's latest prediction
+        gave it one step ahead, or None if no prediction was made since the last call."""
+        if workflow not in self.unchecked:
+            return None
+        del self.unchecked[workflow]
+        return self.next_value.get(workflow, {}).get(agent, 0.0)
 
     # ---------------------------------------------------------------- node views
 
@@ -171,6 +194,11 @@ class EvictionPolicy:
 
     def on_evict(self, node: CacheNode) -> None:
         """Called when a node leaves the GPU (KVFlow's parents inherit from children)."""
+
+    def observe_call(self, workflow: str, agent: str) -> bool:
+        """Called when a call arrives; True when every node's priority changed at once (the
+        caller's heaps must be rebuilt)."""
+        return False
 
 
 class LRU(EvictionPolicy):
@@ -218,14 +246,60 @@ class LifecycleLRU(_LedgerPolicy):
         return (0 if self.ledger.is_retired(node.id) else 1, node.last_access_time)
 
 
+class TrustMeter:
+    """How good the predictions have been, online: an exponential moving average (over about
+    `window` calls) of the probability the last prediction gave the agent that came next. The
+    predictions are trusted while it stays above `threshold - margin` and trusted again once it
+    climbs above `threshold + margin` (hysteresis, so the order does not flap). It starts at 1:
+    the predictions are trusted until calls show otherwise."""
+
+    def __init__(self, threshold: float = 0.5, margin: float = 0.1, window: int = 32):
+        if not 0.0 <= threshold - margin <= threshold + margin <= 1.0:
+            raise ValueError(f"pbkv trust thresholds must lie in [0, 1]; got {threshold} +- {margin}")
+        if window < 1:
+            raise ValueError(f"pbkv.trust_window must be at least 1; got {window}")
+        self.threshold, self.margin, self.alpha = threshold, margin, 1.0 / window
+        self.quality, self.trusted, self.observed, self.switches = 1.0, True, 0, 0
+
+    def update(self, p: float) -> bool:
+        """Fold in one observation; True when the trust decision flipped."""
+        self.observed += 1
+        self.quality += self.alpha * (p - self.quality)
+        trusted = (self.quality >= self.threshold - self.margin if self.trusted
+                   else self.quality > self.threshold + self.margin)
+        flipped, self.trusted = trusted != self.trusted, trusted
+        self.switches += flipped
+        return flipped
+
+
 class PBKV(_LedgerPolicy):
     name = "pbkv"
     uses_predictions = True
+    TRUST = ("adaptive", "always")
+
+    def __init__(self, ledger: WorkflowLedger, trust: str = "adaptive", trust_threshold: float = 0.5,
+                 trust_margin: float = 0.1, trust_window: int = 32):
+        super().__init__(ledger)
+        if trust not in self.TRUST:
+            raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{trust}'")
+        self.trust = trust
+        self.meter = TrustMeter(trust_threshold, trust_margin, trust_window) if trust == "adaptive" else None
+
+    @property
+    def trusted(self) -> bool:
+        return self.meter is None or self.meter.trusted
+
+    def observe_call(self, workflow, agent):
+        if self.meter is None:
+            return False
+        p = self.ledger.check_prediction(workflow, agent)
+        return p is not None and self.meter.update(p)
 
     def priority(self, node):
         if self.ledger.is_retired(node.id):
             return (0, 0.0, node.last_access_time)
-        return (1, self.ledger.score(node.id), node.last_access_time)
+        # untrusted: the same tuple with every score equal, i.e. lifecycle-aware LRU
+        return (1, self.ledger.score(node.id) if self.trusted else 0.0, node.last_access_time)
 
 
 class KVFlow(_LedgerPolicy):

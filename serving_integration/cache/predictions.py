@@ -5,9 +5,11 @@ probabilities over `agent_names` plus END (last), for a batch of live workflows.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
+from types import SimpleNamespace
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from models.base import WorkflowPrefix, vocabulary
@@ -18,6 +20,7 @@ END = "END"  # the end of a workflow in an agent graph's successor lists
 class LiveWorkflow(Protocol):
     """What a prediction source may read of a live workflow in the simulator."""
 
+    id: str
     agents: list[str]  # agents called so far, in order
     task: str
     hidden: list[float] | None
@@ -29,6 +32,16 @@ class PredictionSource(Protocol):
     horizon: int
 
     def predict(self, workflows: Sequence[LiveWorkflow]) -> torch.Tensor: ...
+
+    # optional: `finished(workflow)`, told when a workflow ends (OnlineBackoff learns from it)
+
+
+def tell_finished(source, workflow) -> None:
+    """Tell a source (and the sources it wraps) that a workflow ended."""
+    while source is not None:
+        if hasattr(source, "finished"):
+            source.finished(workflow)
+        source = getattr(source, "inner", None)
 
 
 class ModelSource:
@@ -51,6 +64,101 @@ def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horiz
         for k in range(horizon):
             out[b, k, index.get(path[k], 0) if k < len(path) else end] = 1.0
     return out
+
+
+class OnlineBackoff:
+    """A trained predictor that keeps learning while serving.
+
+    It folds the transitions of the live workflows into counts as their calls finish (and END
+    as they end): for each step offset k = 1..K, how often agent a at position t was followed by
+    b (or END) at position t + k, i.e. k-step hazard counts like the predictor's own P^(k). Two
+    experts predict:
+
+        model:   the trained predictor's P^(k);
+        backoff: the Dirichlet posterior with the model as its prior,
+                 (n_k(a, .) + beta P^(k)) / (n_k(a) + beta), a the workflow's current agent,
+
+    and are mixed with weights learnt online from the probability each gave the agent that
+    actually came next (exponentiated log loss, with fixed share so that the mixture can move
+    back when the workload changes: Herbster and Warmuth, Machine Learning 1998). Agents the
+    trained predictor never saw get their own columns as they appear (the model gives them no
+    mass, the counts do), so `agent_names` grows while serving (in place)."""
+
+    def __init__(self, inner: PredictionSource, beta: float = 10.0, share: float = 0.01):
+        if beta <= 0 or not 0.0 <= share < 0.5:
+            raise ValueError(f"online backoff needs beta > 0 and share in [0, 0.5); got {beta}, {share}")
+        self.inner, self.beta, self.share = inner, beta, share
+        self.horizon = inner.horizon
+        self.agent_names = list(inner.agent_names)
+        self.index = {a: i for i, a in enumerate(self.agent_names)}
+        self.counts: dict[tuple[str, int], Counter] = defaultdict(Counter)  # (agent, k) -> next agent / None
+        self.folded: dict[str, int] = {}  # workflow id -> agents folded so far
+        self.last: dict[str, tuple[dict, dict]] = {}  # workflow id -> (model, backoff) P^(1) by agent name
+        self.ended: deque = deque()  # (workflow id, its agents) of workflows that ended
+        self.log_weight = np.zeros(2)  # model, backoff
+        self.observed = 0
+
+    @property
+    def weights(self) -> np.ndarray:
+        w = np.exp(self.log_weight - self.log_weight.max())
+        return w / w.sum()
+
+    def _fold(self, w, ended: bool = False) -> None:
+        agents, start = w.agents, self.folded.get(w.id, 0)
+        for j in range(start, len(agents) + ended):
+            nxt = agents[j] if j < len(agents) else None  # None: END
+            if nxt is not None and nxt not in self.index:
+                self.index[nxt] = len(self.agent_names)
+                self.agent_names.append(nxt)
+            if j == start and w.id in self.last:  # the call the latest prediction was about
+                self._score(*self.last.pop(w.id), nxt)
+            for k in range(1, self.horizon + 1):
+                if j - k >= 0:
+                    self.counts[(agents[j - k], k)][nxt] += 1
+        self.folded[w.id] = len(agents)
+
+    def _score(self, model: dict, backoff: dict, nxt) -> None:
+        p = np.array([model.get(nxt, 0.0), backoff.get(nxt, 0.0)])
+        self.log_weight += np.log(np.maximum(p, 1e-6))
+        w = (1 - self.share) * self.weights + self.share / 2  # fixed share
+        self.log_weight = np.log(w)
+        self.observed += 1
+
+    def finished(self, workflow) -> None:
+        """Queued and folded at the next `predict` (which may run on another thread, the plugin's)."""
+        self.ended.append((workflow.id, list(workflow.agents)))
+
+    def predict(self, workflows):
+        while self.ended:
+            wf_id, agents = self.ended.popleft()
+            self._fold(SimpleNamespace(id=wf_id, agents=agents), ended=True)
+            self.folded.pop(wf_id, None)
+            self.last.pop(wf_id, None)
+        for w in workflows:
+            self._fold(w)
+        model = self.inner.predict(workflows).to(torch.float64)
+        names = self.agent_names
+        n_model, n = model.shape[-1] - 1, len(names)
+        out_model = torch.zeros(len(workflows), self.horizon, n + 1, dtype=torch.float64)
+        out_model[..., :n_model] = model[..., :-1]
+        out_model[..., n] = model[..., -1]
+        backoff = out_model.clone()
+        for b, w in enumerate(workflows):
+            current = w.agents[-1]
+            for k in range(self.horizon):
+                seen = self.counts.get((current, k + 1))
+                if not seen:
+                    continue
+                counts = torch.zeros(n + 1, dtype=torch.float64)
+                for nxt, c in seen.items():
+                    counts[n if nxt is None else self.index[nxt]] = c
+                backoff[b, k] = (counts + self.beta * out_model[b, k]) / (counts.sum() + self.beta)
+        for b, w in enumerate(workflows):
+            ends = {None: float(out_model[b, 0, n])}, {None: float(backoff[b, 0, n])}
+            self.last[w.id] = tuple({**dict(zip(names, p[b, 0, :n].tolist())), **e}
+                                    for p, e in zip((out_model, backoff), ends))
+        weight = torch.as_tensor(self.weights, dtype=torch.float64)
+        return (weight[0] * out_model + weight[1] * backoff).to(model.dtype)
 
 
 class PerfectSource:
@@ -167,13 +275,23 @@ class AgentStepGraph:
 
 
 class NoisySource:
-    """P' = (1 - eps) P + eps R, R drawn uniformly from the simplex (seeded): prediction error of a
-    controlled size, for robustness sweeps."""
+    """Prediction error of a controlled size eps, for robustness sweeps (seeded).
 
-    def __init__(self, inner: PredictionSource, eps: float, seed: int):
+    uniform:     P' = (1 - eps) P + eps R, R drawn uniformly from the simplex: random error,
+                 which is benign on average.
+    adversarial: P' = (1 - eps) P + eps Q, Q spread evenly over the agents that are NOT the true
+                 k-th next call (END counts as a call), preferring agents the workflow already
+                 ran (their cache is what the misplaced mass then protects): error aimed at the
+                 policy. It reads the true future, as `PerfectSource` does (simulator only)."""
+
+    KINDS = ("uniform", "adversarial")
+
+    def __init__(self, inner: PredictionSource, eps: float, seed: int, kind: str = "uniform"):
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"predictor.noise must be in [0, 1]; got {eps}")
-        self.inner, self.eps = inner, eps
+        if kind not in self.KINDS:
+            raise ValueError(f"predictor.noise_kind must be one of {', '.join(self.KINDS)}; got '{kind}'")
+        self.inner, self.eps, self.kind = inner, eps, kind
         self.agent_names, self.horizon = inner.agent_names, inner.horizon
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -181,7 +299,22 @@ class NoisySource:
         probs = self.inner.predict(workflows)
         if self.eps == 0:
             return probs
-        # normalised Exp(1) draws are uniform on the simplex
-        noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=self.generator)
-        noise = noise / noise.sum(dim=-1, keepdim=True)
+        if self.kind == "adversarial":
+            noise = self.wrong_mass(workflows, probs.shape)
+        else:  # normalised Exp(1) draws are uniform on the simplex
+            noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=self.generator)
+            noise = noise / noise.sum(dim=-1, keepdim=True)
         return (1 - self.eps) * probs + self.eps * noise.to(probs.dtype)
+
+    def wrong_mass(self, workflows, shape) -> torch.Tensor:
+        """[B, K, A+1]: at each step, mass spread over the agents that will not be called then."""
+        end = shape[-1] - 1
+        index = {a: i for i, a in enumerate(self.agent_names[:end])}  # the inner source's names may grow
+        out = torch.zeros(shape, dtype=torch.float64)
+        for b, w in enumerate(workflows):
+            ran = sorted({index[a] for a in w.agents if a in index})
+            for k in range(shape[1]):
+                truth = index.get(w.future_agents[k], -1) if k < len(w.future_agents) else end
+                wrong = [i for i in ran if i != truth] or [i for i in range(end) if i != truth]
+                out[b, k, wrong] = 1.0 / len(wrong)
+        return out

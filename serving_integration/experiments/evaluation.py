@@ -56,13 +56,14 @@ from omegaconf import DictConfig, OmegaConf
 from data import store
 from data.atomic import temporary_sibling_dir, write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
-from serving_integration.cache.predictions import AgentStepGraph, ModelSource, NoisySource, PerfectSource, vocabulary
+from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
+                                                   PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.presentation import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the repository root (train.py)
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
 # every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents
@@ -73,6 +74,9 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
     """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
     recipe = {"family": cfg.predictor.train, "data": str(Path(dataset_path).resolve()), "seed": cfg.seed,
               "horizon": cfg.pbkv.horizon}
+    overrides = list(cfg.predictor.get("train_overrides") or [])
+    if overrides:
+        recipe["overrides"] = overrides
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
     if not (run / "predictor.pt").is_file():
@@ -82,7 +86,7 @@ def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
         try:
             subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
                             f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                            "logger=csv", f"hydra.run.dir={tmp}"], cwd=REPO, check=True)
+                            "logger=csv", f"hydra.run.dir={tmp}", *overrides], cwd=REPO, check=True)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, subprocess.CalledProcessError):
@@ -126,6 +130,22 @@ def checkpoint_metrics(path: str) -> dict:
 
 
 KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
+TRUST_OPTIONS = ("trust_threshold", "trust_margin", "trust_window")
+
+
+def trust_modes(cfg: DictConfig) -> list[str]:
+    """pbkv.trust: one mode or a list of them (evaluate compares adaptive with always)."""
+    modes = cfg.pbkv.trust
+    return [modes] if isinstance(modes, str) else list(modes)
+
+
+def online(cfg: DictConfig, source):
+    """predictor.online: a fresh OnlineBackoff per run (it learns from the run's own workflows)."""
+    return OnlineBackoff(source, cfg.predictor.online_beta) if cfg.predictor.get("online", False) else source
+
+
+def noisy_source(cfg: DictConfig, source):
+    return NoisySource(source, cfg.predictor.noise, cfg.seed, kind=cfg.predictor.get("noise_kind", "uniform"))
 
 
 def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned, step_graph=None):
@@ -144,9 +164,13 @@ def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned, step_gra
         elif name in PREDICTIVE:
             source, label = ((learned[0], learned[1]["family"]) if name == "pbkv"
                              else (PerfectSource(agent_names, cfg.pbkv.horizon), "perfect"))
-            for mode in cfg.prefetch:
-                noisy = NoisySource(source, cfg.predictor.noise, cfg.seed)
-                yield name, mode, label, dict(policy="pbkv", prefetch=mode, predictions=noisy, gamma=cfg.pbkv.gamma)
+            # the learned predictor runs under each requested trust mode; the perfect one is a bound
+            for trust in (trust_modes(cfg) if name == "pbkv" else ["always"]):
+                options = {"trust": trust, **{k: cfg.pbkv[k] for k in TRUST_OPTIONS}}
+                for mode in cfg.prefetch:
+                    noisy = noisy_source(cfg, online(cfg, source) if name == "pbkv" else source)
+                    yield name, mode, label, dict(policy="pbkv", policy_options=options, prefetch=mode,
+                                                  predictions=noisy, gamma=cfg.pbkv.gamma, trust=trust)
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
             for mode in cfg.prefetch:
                 yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=cfg.pbkv.gamma,
@@ -205,12 +229,17 @@ def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
                if "pbkv" in cfg.policies or routes_by_prediction else None)
     graph = AgentStepGraph.for_dataset(ds.meta, train_sequences, cfg.pbkv.horizon, agent_names)
     rows = []
+    if learned:
+        learned[1]["online_backoff"] = bool(cfg.predictor.get("online", False))
     for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned, graph):
         if routes_by_prediction and kwargs.get("predictions") is None:
             kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
-        rows.append(setting.run(workflows, name, mode, kwargs, noise=noise, predictor=label))
-        log.info("%s/%s: hit rate %.3f", name, mode, rows[-1]["hit_rate"])
+        fields = {"noise": noise, "predictor": label, "trust": kwargs.pop("trust", "none")}
+        if name in PREDICTIVE:
+            fields["noise_kind"] = cfg.predictor.get("noise_kind", "uniform")
+        rows.append(setting.run(workflows, name, mode, kwargs, **fields))
+        log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
     if cfg.kv.budget:
         from models.intentkv.replay import prune_workflows  # torch scoring, only needed here
 

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 ROW_LABELS = {
     "comparison": "policies",  # policies | kv (IntentKV pruning rows)
     "workload": None, "policy": None, "prefetch": "none", "gpu_tokens": None, "concurrency": None,
-    "noise": 0.0, "predictor": "none", "horizon": None, "gamma": None,
+    "noise": 0.0, "noise_kind": "none", "predictor": "none", "trust": "none", "horizon": None, "gamma": None,
     "layout": "none", "kv_method": "none", "kv_budget": None,
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
     "split": "test",  # the replayed split: knobs are chosen on val, claims made on test
@@ -100,6 +100,10 @@ def row_label(r: dict) -> str:
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
+    if r["policy"] == "pbkv" and r.get("predictor") != "perfect" and r.get("trust") == "always":
+        name += " [always]"  # the paper's policy; adaptive trust is pbkv's default
+    if r.get("noise_kind") == "adversarial":
+        name += " adversarial"  # the noise level is the row's `noise`
     if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (the bound is bound_hit_rate)
         name += " (heuristic, Belady)"
     if r.get("replicas", 1) > 1:

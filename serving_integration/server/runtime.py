@@ -35,7 +35,7 @@ import torch
 
 from data.atomic import atomic_file
 from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,12 @@ class PluginConfig:
     horizon: int = 3  # K of kvflow's step graph (a checkpoint brings its own)
     gamma: float = 0.5  # PBKV's lookahead discount
     hold_step: int = 3  # kvflow
+    online_backoff: bool = True  # pbkv: fold served transitions into counts mixed with the model (OnlineBackoff)
+    online_beta: float = 10.0
+    trust: str = "adaptive"  # pbkv: adaptive (lifecycle-aware LRU while predictions are poor) | always
+    trust_threshold: float = 0.5  # pbkv adaptive trust: see policies.TrustMeter
+    trust_margin: float = 0.1
+    trust_window: int = 32
     prefetch: str | None = None  # none | conservative | aggressive; default per policy (above)
     predictor_device: str = "cpu"
     predictor_timeout_s: float | None = 0.05  # None or 0: no timeout (needed for TP > 1, see docs)
@@ -259,9 +265,10 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
             return AgentStepGraph.for_dataset(dataset.meta, [[c.agent for c in w.calls] for w in train], config.horizon)
         if policy != "kvflow" and config.checkpoint:
             from models import load_predictor
-            from serving_integration.cache.predictions import ModelSource
+            from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 
-            return ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
+            source = ModelSource(load_predictor(config.checkpoint, device=config.predictor_device))
+            return OnlineBackoff(source, config.online_beta) if config.online_backoff else source
     except Exception as e:  # noqa: BLE001
         stats.count("predictor_unavailable")
         log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
@@ -283,7 +290,10 @@ class WorkflowRuntime:
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
-        options = {"hold_step": config.hold_step} if policy_name == "kvflow" else {}
+        options = ({"hold_step": config.hold_step} if policy_name == "kvflow" else
+                   {"trust": config.trust, "trust_threshold": config.trust_threshold,
+                    "trust_margin": config.trust_margin, "trust_window": config.trust_window}
+                   if policy_name == "pbkv" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.fallback = LifecycleLRU(self.ledger)
         self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
@@ -345,7 +355,10 @@ class WorkflowRuntime:
         if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
         wf = self._live(tag)
-        wf.running.add(req.rid)
+        if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
+            wf.running.add(req.rid)
+            if self.policy.observe_call(wf.id, tag.agent):
+                self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
         for node_id in path_node_ids:
             self.ledger.record_access(node_id, wf.id, tag.agent)
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
@@ -373,7 +386,9 @@ class WorkflowRuntime:
 
     def end_workflow(self, workflow_id: str) -> None:
         self.ledger.end(workflow_id)
-        self.workflows.pop(workflow_id, None)
+        wf = self.workflows.pop(workflow_id, None)
+        if wf is not None and self.predictor is not None:
+            tell_finished(self.predictor.source, wf)
         self.to_predict.pop(workflow_id, None)
         self.stats.count("workflows_ended")
 
@@ -465,7 +480,9 @@ class WorkflowRuntime:
     def snapshot(self) -> dict:
         counts = self.stats.as_dict()
         prefetched = counts.get("prefetched_tokens", 0)
+        meter = getattr(self.policy, "meter", None)
         return {"policy": self.policy_name, "prefetch": self.prefetch.mode, "degraded": self.degraded,
+                "trusted": meter.trusted if meter else None, "prediction_quality": meter.quality if meter else None,
                 "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
                 "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
                 "config": asdict(self.config), "counters": counts}

@@ -39,7 +39,7 @@ import numpy as np
 from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource
+from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.radix import Node, RadixTree
@@ -274,6 +274,8 @@ class Server:
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
+        if self.policy.observe_call(r.wf.id, call.agent):  # pbkv's adaptive trust switched its order
+            tree.reprioritize()
         for node in path:
             self.ledger.record_access(node.id, r.wf.id, call.agent)
             if node.id in self.prefetched:  # prefetched, and read before it was evicted
@@ -583,6 +585,7 @@ class Simulator:
             server.counters.latencies.append(server.now - wf.start_time)
             del self.live[wf.id]
             self._end_of_workflow(wf, server)
+            tell_finished(self.predictions, wf)
             self.router.forget(wf.id)
             self._start_workflows(server.now)
         if self.future:
@@ -695,4 +698,8 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
     calls = [s.calls for s in sim.servers]
     result.update(replica_calls=calls, load_imbalance=max(calls) / (sum(calls) / len(calls)) if sum(calls) else 1.0,
                   migrations=sim.router.migrations)
+    meters = [m for m in (getattr(s.policy, "meter", None) for s in sim.servers) if m is not None]
+    if meters:  # pbkv's adaptive trust (one per replica): what it measured
+        result.update(prediction_quality=float(np.mean([m.quality for m in meters])),
+                      trust_switches=sum(m.switches for m in meters), trusted_at_end=all(m.trusted for m in meters))
     return {**result, **bound_metrics(sim)} if bound else result

@@ -107,6 +107,22 @@ class RadixTree:
         else:
             node._host_entry = -1
 
+    def reprioritize(self) -> None:
+        """Every priority changed at once (a policy switched its order): rebuild both heaps from
+        the evictable nodes, O(n)."""
+        gpu, host = [], []
+        for node in self.nodes():
+            node._gpu_entry = node._host_entry = -1
+            if self.gpu_evictable(node):
+                node._gpu_entry = seq = next(self._seq)
+                gpu.append((self.priority(node), seq, node))
+            if self.host_evictable(node):
+                node._host_entry = seq = next(self._seq)
+                host.append((self.priority(node), seq, node))
+        heapq.heapify(gpu)
+        heapq.heapify(host)
+        self._gpu_heap, self._host_heap = gpu, host
+
     def refresh_many(self, nodes: Iterable[Node]) -> None:
         for node in nodes:
             if node.parent is not None:
