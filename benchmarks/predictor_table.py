@@ -5,7 +5,10 @@
     python -m benchmarks.predictor_table multirun/families --metric top3 nll
 
 Each run is named by its checkpoint's family; with several seeds per family the table shows
-mean +- standard deviation over them.
+mean +- standard deviation over them. `top1` is unconditional (steps past a workflow's end count
+as END), `top1_alive` counts only steps up to the END (models/metrics.py). On generated data a
+last row gives the Bayes ceiling of top1 and top1_alive: the best any predictor can do knowing the
+latent the task text reveals and the whole history (data/generators.py, expected over the generator).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def format_table(paths: list[Path], metrics: list[str], split: str = "test") -> 
     for run in find_runs(paths):
         values = json.loads((run / "metrics.json").read_text())
         by_family[read_checkpoint(values["checkpoint"])["family"]].append(values)
-    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "_k" in k)
+    horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "/" in k and "_k" in k)
     columns = [(m, k) for m in metrics for k in range(1, horizon + 1)]
     lines = ["| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |",
              "|---|---|" + "---|" * len(columns)]
@@ -50,13 +53,18 @@ def format_table(paths: list[Path], metrics: list[str], split: str = "test") -> 
         runs = by_family[family]
         cells = [cell([r[f"{split}/{m}_k{k}"] for r in runs]) for m, k in columns]
         lines.append(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
+    ceilings = {json.dumps(r.get("bayes_ceiling"), sort_keys=True) for rs in by_family.values() for r in rs}
+    if len(ceilings) == 1 and (ceiling := json.loads(ceilings.pop())):
+        cells = [f"{ceiling[f'{m}_k{k}']:.3f}" if f"{m}_k{k}" in ceiling else "" for m, k in columns]
+        lines.append(f"| Bayes ceiling (knows {', '.join(ceiling.get('knows', []))}) | - | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories holding them")
-    parser.add_argument("--metric", nargs="+", default=["top1"], help="top1 top3 nll ece end_acc")
+    parser.add_argument("--metric", nargs="+", default=["top1", "top1_alive"],
+                        help="top1 top1_alive top3 nll ece end_acc")
     parser.add_argument("--split", default="test", choices=["val", "test"])
     args = parser.parse_args()
     print(format_table(args.runs, args.metric, args.split))

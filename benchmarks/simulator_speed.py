@@ -22,7 +22,7 @@ import time
 
 from data.generators import WORKLOADS
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.cache.workload import SimWorkflow
@@ -38,7 +38,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
     sequences = [[c.agent for c in w.calls] for w in workflows]
     names = vocabulary(a for s in sequences for a in s)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {},
-            "kvflow": {"predictions": StaticGraphSource(sequences, 3), "prefetch": "aggressive"},
+            "kvflow": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "aggressive"},
             "pbkv": {"predictions": PerfectSource(names, 3)},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
             "oracle": {"predictions": PerfectSource(names, 3)}}

@@ -10,13 +10,14 @@ from hydra.utils import instantiate
 from data.atomic import check_replaceable
 from data.cli import run_command, store_traces
 from data.store import DATASET_WRITERS
+from data.generators import generate as generate_traces
 
 
 def generate(cfg) -> None:
     started = time.perf_counter()
     check_replaceable(cfg.out, DATASET_WRITERS)  # before the work: a refusal costs nothing
     workload = instantiate(cfg.workload)
-    store_traces(workload.name, workload.generate(cfg.n_workflows, cfg.seed), cfg, "data.generate")
+    store_traces(workload.name, generate_traces(workload, cfg.n_workflows, cfg.seed), cfg, "data.generate")
     print(f"wrote {cfg.out} in {time.perf_counter() - started:.2f}s")
 
 

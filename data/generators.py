@@ -8,11 +8,18 @@ log-normals around the medians below; the task text is counted with the project 
 
 Workflow i of seed s is drawn from its own generator seeded (s, i), so the first n workflows
 do not depend on how many are generated.
+
+Each workload also declares what its definition says about the path, stored in the dataset's
+meta.json by `generate`: `agent_graph` (the static pipeline, or the possible transitions of a
+dynamic workflow: the Agent Step Graph KVFlow reads, cache/predictions.py AgentStepGraph) and `bayes_ceiling` (the
+best top-1 any predictor can reach at each step k when it knows the latent the task text reveals
+and the whole history; Monte Carlo over the generator, docs/predictors.md).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,12 +90,75 @@ class WorkflowBuilder:
         return self.calls
 
 
+class _PathRecorder:
+    """Stands in for a WorkflowBuilder when only the agent path is needed (the Bayes ceiling)."""
+
+    def __init__(self, latent: dict):
+        self.latent, self.agents = latent, []
+
+    def call(self, agent: str, output_tokens: int, tool: Tool | None = None) -> None:
+        self.agents.append(agent)
+
+
+END = "END"
+
+
 class Workload:
     """A workload draws workflows; subclasses define agents, prompts and the path."""
 
     name: str
     system_prompt_tokens: dict[str, int]
     output_scale: float = 1.0  # multiplies every drawn output length (small replays on a CPU server)
+    visible_latent: tuple[str, ...] = ()  # latent fields the task text reveals
+
+    def agent_graph(self) -> dict:
+        """The workflow's definition as KVFlow's Agent Step Graph reads it: {"kind": "pipeline",
+        "steps": [agent, ...]} for a static pipeline, or {"kind": "transitions", "start": [...],
+        "next": {agent: [successor, ..., "END"]}} for a dynamic workflow."""
+        raise NotImplementedError
+
+    def bayes_ceiling(self, horizon: int = 5, n_workflows: int = 5_000, seed: int = 0) -> dict:
+        """Top-1 at k = 1..horizon of the Bayes predictor that knows the visible latent and the
+        whole history: its argmax of P(agent at t+k | history, latent) estimated on n_workflows
+        draws of the generator, scored on n_workflows other draws. `top1_k{k}` is unconditional
+        (steps past the end count as END), `top1_alive_k{k}` counts only steps up to the END."""
+
+        def draws(offset: int):
+            for i in range(n_workflows):
+                rng = np.random.default_rng([seed, 1 << 30, offset + i])  # apart from datasets' (seed, i)
+                _, latent = self.task_and_latent(rng)
+                path = _PathRecorder(latent)
+                self.run(path, rng)
+                yield tuple(latent[k] for k in self.visible_latent), path.agents
+
+        def labels(agents: list[str], t: int):
+            for k in range(1, horizon + 1):
+                j = t + k
+                yield k, (agents[j] if j < len(agents) else END), j <= len(agents)
+
+        counts = {"top1": defaultdict(Counter), "top1_alive": defaultdict(Counter)}
+        for visible, agents in draws(0):
+            for t in range(len(agents)):
+                state = (visible, tuple(agents[:t + 1]))
+                for k, label, alive in labels(agents, t):
+                    counts["top1"][state, k][label] += 1
+                    if alive:
+                        counts["top1_alive"][state, k][label] += 1
+        hits = {m: Counter() for m in counts}
+        totals = {m: Counter() for m in counts}
+        for visible, agents in draws(n_workflows):
+            for t in range(len(agents)):
+                state = (visible, tuple(agents[:t + 1]))
+                for k, label, alive in labels(agents, t):
+                    for metric in counts:
+                        if metric == "top1_alive" and not alive:
+                            continue
+                        seen = counts[metric].get((state, k))
+                        guess = min(seen, key=lambda a: (-seen[a], a)) if seen else None
+                        hits[metric][k] += guess == label
+                        totals[metric][k] += 1
+        return {f"{m}_k{k}": round(hits[m][k] / totals[m][k], 4) if totals[m][k] else None
+                for m in counts for k in range(1, horizon + 1)}
 
     def task_and_latent(self, rng: np.random.Generator) -> tuple[str, dict]:
         raise NotImplementedError
@@ -110,13 +180,17 @@ class Workload:
             calls.extend(wf.finish())
         meta = {"format": "generated", "workload": self.name, "n_workflows": n_workflows, "seed": seed,
                 "template_holdout": bool(getattr(getattr(self, "text", None), "template_holdout", False)),
-                "tokenizer": f"task text: {counter.name}; other segments: drawn counts"}
+                "tokenizer": f"task text: {counter.name}; other segments: drawn counts",
+                "agent_graph": self.agent_graph()}
         return Traces(calls, segments, meta)
 
 
 def generate(workload: Workload, n_workflows: int, seed: int = 0) -> Traces:
-    """Hydra target of the `data` config group for generated workloads."""
-    return workload.generate(n_workflows, seed)
+    """Hydra target of the `data` config group for generated workloads (and data.generate's): the
+    traces, with the Bayes ceiling of their predictors in the meta (a few seconds to estimate)."""
+    traces = workload.generate(n_workflows, seed)
+    traces.meta["bayes_ceiling"] = {"knows": list(workload.visible_latent), **workload.bayes_ceiling(seed=seed)}
+    return traces
 
 
 def _pick(rng: np.random.Generator, options):
@@ -210,6 +284,7 @@ class Hover(Workload):
     """
 
     name = "hover"
+    visible_latent = ("hops",)
 
     def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
                  passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
@@ -233,6 +308,11 @@ class Hover(Workload):
         task = self.text.compose(rng, _HOVER_FRAMES, claim, fill(rng, _HOVER_DISTRACTORS))
         extra = int(rng.random() < self.extra_hop_prob * hops / 2)  # harder claims need a recheck more often
         return task, self.text.latent(template, shown, hops=hops, extra_hops=extra)
+
+    def agent_graph(self):
+        return {"kind": "transitions", "start": ["retriever"],
+                "next": {"retriever": ["summarizer"], "summarizer": ["query_generator", "verifier"],
+                         "query_generator": ["retriever"], "verifier": ["query_generator", END]}}
 
     def _search(self, rng) -> Tool:
         k = int(rng.integers(self.passages_per_search[0], self.passages_per_search[1] + 1))
@@ -308,6 +388,7 @@ class SweBench(Workload):
     """
 
     name = "swebench"
+    visible_latent = ("difficulty",)
 
     def __init__(self, difficulty_probs=None, fail_prob=None, max_attempts=6, replan_after=3,
                  test_seconds=20.0, system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
@@ -331,6 +412,11 @@ class SweBench(Workload):
         while failures < self.max_attempts - 1 and rng.random() < self.fail_prob[difficulty]:
             failures += 1
         return task, self.text.latent(template, shown, difficulty=difficulty, failed_test_runs=failures)
+
+    def agent_graph(self):
+        return {"kind": "transitions", "start": ["planner"],
+                "next": {"planner": ["coder"], "coder": ["tester"], "tester": ["coder", "planner", "reviewer"],
+                         "reviewer": [END]}}
 
     def run(self, wf, rng):
         hard = wf.latent["difficulty"] == "hard"
@@ -384,6 +470,7 @@ class FinanceBench(Workload):
     """
 
     name = "financebench"
+    visible_latent = ("question_type",)
     _filing_median = {"lookup": 2000, "ratio": 3500, "trend": 6000}
 
     def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None,
@@ -407,6 +494,10 @@ class FinanceBench(Workload):
                                                   ra=_RATIOS[measure % len(_RATIOS)], y=year, y0=year - 2)
         task = self.text.compose(rng, _FINANCE_FRAMES, question, fill(rng, _FINANCE_DISTRACTORS))
         return task, self.text.latent(template_id(shown, form, measure), shown, question_type=kind)
+
+    def agent_graph(self):
+        return {"kind": "pipeline",
+                "steps": [a for a in ("retriever", "analyst", "calculator", "writer") for _ in range(self.react_steps[a])]}
 
     def run(self, wf, rng):
         kind = wf.latent["question_type"]

@@ -182,3 +182,38 @@ def resolve(cfg: DictConfig) -> TraceDataset:
         ds.meta["recipe"] = recipe
         save(ds, cached, overwrite=True)
     return load(cached)
+
+
+def resolve_seeded(cfg: DictConfig, seed: int) -> TraceDataset:
+    """The `data` config's dataset drawn with workload seed `seed` (evaluate's `seeds=[...]`):
+    a generated source is generated again with `source.seed=seed`; a source without a seed (imported
+    traces) is split again with `split.seed=seed`; a dataset directory (`data.path`) is rebuilt from
+    the recipe its meta.json records when that has a seed, else split again with that seed (cached
+    beside the generated datasets)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.get("path"):
+        ds = load(cfg.path)
+        recipe = ds.meta.get("recipe") or {}
+        if "seed" in recipe.get("source", {}):
+            cfg.path = None
+            cfg.source, cfg.split = recipe["source"], recipe["split"]
+            cfg.source.seed = seed
+            return resolve(cfg)
+        if ds.meta["split"]["seed"] == seed:
+            return ds
+        key = hashlib.sha256(json.dumps([str(Path(cfg.path).resolve()), seed]).encode()).hexdigest()[:12]
+        cached = Path(cfg.cache_dir) / f"{cfg.name}-resplit-{key}"
+        if not (cached / "meta.json").is_file():
+            from data.schema import SegmentTable
+
+            meta = {k: v for k, v in ds.meta.items() if k not in ("schema_version", "split", "splits", "stats",
+                                                                    "skipped_lines")}
+            traces = Traces(ds.rows(None), SegmentTable(ds.segment_table()), {**meta, "resplit_of": str(cfg.path)})
+            split = {k: ds.meta["split"][k] for k in ("val", "test")}
+            save(build(traces, **split, seed=seed), cached, overwrite=True)
+        return load(cached)
+    if "seed" in cfg.source:
+        cfg.source.seed = seed
+    else:
+        cfg.split.seed = seed
+    return resolve(cfg)

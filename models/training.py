@@ -91,6 +91,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
                 "n_parameters": predictor.n_parameters(), "family": predictor.family}
     checkpoint = save_predictor(predictor, run_dir / cfg.checkpoint_name, config, metrics, training)
     metrics["checkpoint"] = str(checkpoint)
+    ceiling = datamodule.dataset.meta.get("bayes_ceiling")
+    if ceiling:  # generated data: the best top-1 any predictor can reach (data/generators.py)
+        metrics["bayes_ceiling"] = ceiling
     write_json(run_dir / "metrics.json", metrics)
     finish_loggers(loggers, metrics, training, OmegaConf.to_yaml(config))
     log.info("%s: %s", predictor.family, summary_line(metrics, predictor.horizon, training))

@@ -29,6 +29,7 @@ class SGLangDouble:
 
     def __init__(self, fail_every: int = 0):
         self.bodies: list[dict] = []
+        self.ends: list[dict] = []  # end-of-workflow signals (kept apart from the calls)
         self.replies: list[dict] = []  # per request: output ids and cached tokens reported
         self.sequences: list[np.ndarray] = []
         self.in_flight = self.max_in_flight = 0
@@ -47,6 +48,11 @@ class SGLangDouble:
 
     async def generate(self, request: web.Request):
         body = await request.json()
+        actions = (body.get("kv_hints") or {}).get("actions") or [{}]
+        tag = body["sampling_params"].get("custom_params", {}).get("pbkv") or actions[0].get("payload") or {}
+        if tag.get("end_signal"):
+            self.ends.append({**tag, "body": body, "after_calls": len(self.bodies)})
+            return web.json_response({"text": None, "output_ids": [3], "meta_info": {"id": body["rid"]}})
         self.bodies.append(body)
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
             return web.json_response({"error": {"message": "scheduler overloaded"}}, status=500)
@@ -169,7 +175,12 @@ def test_replay_streams_measures_and_saves_a_trace(dataset, tmp_path, capsys):
     for wf in workflows:
         sent = sorted((t for t in tags if t["workflow_id"] == wf[0].workflow_id), key=lambda t: t["step"])
         assert [(t["agent"], t["step"]) for t in sent] == [(c.agent, c.step) for c in wf]
-        assert [t["workflow_end"] for t in sent] == [False] * (len(wf) - 1) + [True]
+        assert not any(t["workflow_end"] for t in sent)  # the end travels after the last call
+        (end,) = [e for e in server.ends if e["workflow_id"] == wf[0].workflow_id]
+        assert end["workflow_end"] and end["agent"] == wf[-1].agent and len(end["body"]["input_ids"]) == 1
+        last_rid = next(b["rid"] for t, b in zip(tags, server.bodies)
+                        if (t["workflow_id"], t["step"]) == (wf[-1].workflow_id, wf[-1].step))
+        assert last_rid in {r["rid"] for r in server.replies[:end["after_calls"]]}  # sent after the last call
         assert sent[0]["task"] == wf[0].task and all("task" not in t for t in sent[1:])
 
     # a call's real output replaces its segment in later prompts, so outputs are shared prefixes too

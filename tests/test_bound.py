@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import pytest
 
-from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.bound import intervals, upper_bound
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.test_simulator import H100, small_workload
@@ -114,7 +114,7 @@ def test_no_policy_beats_its_own_bound(kind, gpu):
     gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))
     config = SimConfig(gpu_tokens=gpu, concurrency=8)
     perfect = PerfectSource(names, 3)
-    graph = StaticGraphSource([[c.agent for c in w.calls] for w in workflows], 3)
+    graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {}, "pbkv": {"predictions": perfect},
             "pbkv+conservative": {"predictions": perfect, "prefetch": "conservative"},
             "kvflow": {"predictions": graph, "prefetch": "aggressive"}, "oracle": {"predictions": perfect}}

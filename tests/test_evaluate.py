@@ -33,7 +33,7 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"], r["trust"]) for r in rows] == [
         ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "aggressive", "none"),
-        ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
+        ("kvflow", "none", "none"),        ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
         ("pbkv", "none", "always"), ("pbkv", "conservative", "always"), ("pbkv_perfect", "none", "always"),
         ("pbkv_perfect", "conservative", "always"), ("oracle", "none", "none"), ("oracle", "conservative", "none")]
     assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"adaptive": True, "always": False}
@@ -55,6 +55,25 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     for png in ("hit_rate.png", "latency.png"):
         assert (tmp_path / "run" / png).stat().st_size > 10_000
     assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
+    assert summary["kvflow_graph"]["origin"] == "declared" and summary["kvflow_graph"]["kind"] == "transitions"
+    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "aggressive"]["prefetched_tokens"]
+    assert summary["end_signal"]["delay_s"] > 0 and summary["end_signal"]["inactivity_timeout_s"] > 1
+
+
+def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
+    summary, _ = evaluate(tmp_path / "seeds", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
+                          "sim.end_signal_loss=0.5", cache=cache)
+    assert len(summary["seed_rows"]) == 6 and len(summary["rows"]) == 2
+    for r in summary["rows"]:
+        assert r["seeds"] == [0, 1, 2] and r["end_signal_loss"] == 0.5
+        values = r["hit_rate_per_seed"]
+        assert len(set(values)) == 3  # a different workload per seed
+        assert r["hit_rate"] == pytest.approx(sum(values) / 3)
+        assert 0 < r["hit_rate_ci95"] and r["mean_workflow_latency_s_ci95"] > 0
+        assert min(values) < r["hit_rate"] + r["hit_rate_ci95"] and max(values) > r["hit_rate"] - r["hit_rate_ci95"]
+    lae = [r for r in summary["seed_rows"] if r["policy"] == "pbkv_lae"]
+    assert all(r["ended_by_timeout"] + r["ended_by_signal"] <= r["workflows"] for r in lae)
+    assert sum(r["ended_by_timeout"] for r in lae) > 0
 
 
 def by_gap(rows):

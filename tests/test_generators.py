@@ -124,3 +124,21 @@ def test_output_scale_shrinks_outputs_and_keeps_the_paths():
     assert sum(c["output_tokens"] for c in small.calls) < sum(c["output_tokens"] for c in full.calls) / 5
     with pytest.raises(ValueError, match="output_scale"):
         Hover(output_scale=0)
+
+
+def test_declared_agent_graph_and_bayes_ceiling():
+    from data.generators import generate
+
+    for name, make in WORKLOADS.items():
+        graph = make().generate(5, seed=0).meta["agent_graph"]
+        paths = [[c["agent"] for c in calls] for calls in by_workflow(make().generate(60, seed=1))]
+        if graph["kind"] == "pipeline":  # every workflow walks the declared pipeline
+            assert all(p == graph["steps"] for p in paths)
+        else:  # every transition a workflow takes is declared
+            assert all(p[0] in graph["start"] for p in paths)
+            assert all(b in graph["next"][a] for p in paths for a, b in zip(p, p[1:] + ["END"]))
+    static = FinanceBench().bayes_ceiling(horizon=3, n_workflows=200)
+    assert set(static.values()) == {1.0}  # a fixed pipeline: nothing to guess
+    hover = generate(Hover(), 30, seed=0).meta["bayes_ceiling"]
+    assert hover["knows"] == ["hops"] and 0.9 < hover["top1_k1"] < 1.0  # the extra hop is hidden from the text
+    assert hover["top1_k3"] < hover["top1_k1"] and hover["top1_alive_k1"] == hover["top1_k1"]

@@ -268,10 +268,13 @@ def test_graph_has_agents_and_end_as_nodes(datamodule):
 
 def test_horizon_metrics_on_a_known_case():
     probs = np.array([[[0.1, 0.7, 0.2], [0.2, 0.2, 0.6]],
-                      [[0.6, 0.3, 0.1], [0.3, 0.3, 0.4]]])
+                      [[0.6, 0.3, 0.1], [0.6, 0.3, 0.1]]])
     labels = np.array([[1, 2], [1, IGNORE_INDEX]])
     m = horizon_metrics(probs, labels, "test")
-    assert m["test/top1_k1"] == 0.5 and m["test/top1_k2"] == 1.0
+    assert m["test/top1_k1"] == m["test/top1_alive_k1"] == 0.5
+    # the second workflow has ended before step 2: unconditionally its step 2 is END, and the
+    # unconditional distribution (0.54, 0.27, 0.19) guesses agent 0: wrong; conditional on alive it is not counted
+    assert m["test/top1_alive_k2"] == 1.0 and m["test/top1_k2"] == 0.5
     assert math.isclose(m["test/nll_k1"], -(math.log(0.7) + math.log(0.3)) / 2)
     assert m["test/end_acc_k1"] == 1.0 and m["test/end_acc_k2"] == 1.0
     assert math.isclose(m["test/ece_k2"], 0.4, abs_tol=1e-6)  # one prediction at confidence 0.6, correct

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from models.markov import MarkovPredictor
-from serving_integration.cache.predictions import ModelSource, PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
 from serving_integration.cache.workload import SimWorkflow, prefix_keys
 from serving_integration.simulator.engine import SimConfig, Simulator
 from tests.test_simulator import H100, small_workload
@@ -72,7 +72,7 @@ def policies(names, sequences, markov):
         "lru": {"policy": "lru"}, "lfu": {"policy": "lfu"},
         "tlru": {"policy": "tlru", "policy_options": {"threshold": 2000, "next_prompt_estimate": 500}},
         "pbkv_lae": {"policy": "pbkv_lae"},
-        "kvflow": {"policy": "kvflow", "prefetch": "aggressive", "predictions": StaticGraphSource(sequences, 3)},
+        "kvflow": {"policy": "kvflow", "prefetch": "aggressive", "predictions": AgentStepGraph.from_traces(sequences, 3)},
         "pbkv": {"policy": "pbkv", "predictions": ModelSource(markov)},
         "pbkv+conservative": {"policy": "pbkv", "prefetch": "conservative", "predictions": ModelSource(markov)},
     }

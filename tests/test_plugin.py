@@ -253,6 +253,23 @@ def test_lifecycle_lru_evicts_retired_then_lru():
     assert serving.eviction_order() == ["C", "A", "B"]
 
 
+def test_an_end_signal_request_after_the_last_call_retires_the_workflow():
+    from serving_integration.cache.workflow_tags import end_signal_tag
+
+    serving = Serving("pbkv_lae")
+    serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")
+    serving.serve(prompt(200), [1, 2], tag("B", "b"), label="B")
+    serving.step()
+    assert not any(serving.runtime.ledger.is_retired(n) for n in serving.paths["A"])
+    serving.serve([5], [1], end_signal_tag("A", "a").as_payload(), label="end")
+    serving.step()
+    runtime = serving.runtime
+    assert list(runtime.workflows) == ["B"] and runtime.stats["end_signals"] == 1
+    assert runtime.stats["workflows_ended"] == 1 and runtime.stats["calls_finished"] == 2  # the signal is no call
+    assert all(runtime.ledger.is_retired(n) for n in serving.paths["A"] | serving.paths["end"])
+    assert set(serving.eviction_order()[:2]) == {"A", "end"}  # retired cache first, B (live) last
+
+
 def test_node_splits_keep_the_bookkeeping(checkpoint):
     serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
     serving.serve(prompt(100, 8), [1, 2], tag("A", "a"), label="A")

@@ -149,6 +149,41 @@ def test_prefetch_modes():
         make_policy("oracle", ledger)
 
 
+def test_kvflow_agent_step_graph_declared_pipeline_and_transitions():
+    from data.generators import FinanceBench, Hover
+    from serving_integration.cache.predictions import AgentStepGraph
+
+    at = lambda *agents: types.SimpleNamespace(agents=list(agents))  # noqa: E731
+    pipeline = AgentStepGraph(FinanceBench().agent_graph(), horizon=3)
+    # after the first retriever call: two more retriever calls, then the analyst, the calculator, the writer
+    assert pipeline.steps_of(at("retriever")) == {"retriever": 1, "analyst": 3, "calculator": 4, "writer": 6}
+    assert pipeline.steps_of(at(*["retriever"] * 3)) == {"analyst": 1, "calculator": 2, "writer": 4}
+    probs = pipeline.predict([at("retriever"), at(*["retriever"] * 3, "analyst", "calculator", "calculator")])
+    names = pipeline.agent_names
+    assert [names[i] for i in probs[0].argmax(-1).tolist()] == ["retriever", "retriever", "analyst"]
+    assert names[probs[1, 0].argmax()] == "writer" and probs[1, 1:, -1].tolist() == [1.0, 1.0]  # then END
+
+    hover = AgentStepGraph(Hover().agent_graph(), horizon=3)
+    assert hover.steps_of(at("retriever", "summarizer")) == {"query_generator": 1, "verifier": 1, "retriever": 2,
+                                                             "summarizer": 3}
+    probs = hover.predict([at("retriever", "summarizer", "verifier")])
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 3))
+    assert probs[0, 0, -1] == pytest.approx(0.5)  # the verifier ends the workflow or asks for one more hop
+
+    # imported traces: every transition seen, not only the most frequent successor
+    seen = AgentStepGraph.from_traces([["a", "b", "b", "c"], ["a", "b", "c"], ["a", "c"]], horizon=2)
+    assert seen.graph["next"] == {"a": ["b", "c"], "b": ["b", "c"], "c": ["END"]} and seen.origin == "train transitions"
+    assert AgentStepGraph.for_dataset({}, [["a", "b"]], 2).origin == "train transitions"
+    assert AgentStepGraph.for_dataset({"agent_graph": Hover().agent_graph()}, [], 2).origin == "declared"
+    with pytest.raises(ValueError, match="pipeline"):
+        AgentStepGraph({"kind": "tree"}, 2)
+
+    # the graph's steps replace the ones read off the predictions
+    ledger = WorkflowLedger()
+    ledger.start("w")
+    ledger.record_access(7, "w", "analyst")
+    ledger.set_predictions(["w"], names, pipeline.predict([at("retriever")]), pipeline.steps_to_execution([at("retriever")]))
+    assert ledger.steps_to_execution(7, hold_step=5) == 3
 def test_trust_meter_switches_with_hysteresis():
     from serving_integration.cache.policies import TrustMeter
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from data.generators import Hover, SweBench
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import PerfectSource, StaticGraphSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
-from serving_integration.cache.workload import workflows_from_rows
+from serving_integration.cache.workload import SimWorkflow, workflows_from_rows
 from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
@@ -83,19 +83,23 @@ def small_workload(kind, n, seed):
 @given(kind=st.sampled_from(["hover", "swebench"]), seed=st.integers(0, 1000),
        gpu=st.integers(70_000, 200_000), concurrency=st.integers(1, 12),
        policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "oracle"]),
-       prefetch=st.sampled_from(["none", "conservative", "aggressive"]), page=st.sampled_from([1, 16]))
-def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page):
+       prefetch=st.sampled_from(["none", "conservative", "aggressive"]), page=st.sampled_from([1, 16]),
+       end=st.sampled_from([(0.0, 0.0, math.inf), (2.0, 0.0, math.inf), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]))
+def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, end):
     workflows = small_workload(kind, 12, seed)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))  # every call fits
     if policy == "kvflow":
-        source = StaticGraphSource([[c.agent for c in w.calls] for w in workflows], 3)
+        source = AgentStepGraph((Hover if kind == "hover" else SweBench)().agent_graph(), 3, names)
     else:
         source = PerfectSource(names, 3)
     uses = policy in ("pbkv", "kvflow", "oracle") or prefetch != "none"
-    sim = AuditedSimulator(workflows, SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page), H100,
-                           policy=policy, prefetch=prefetch, predictions=source if uses else None)
+    delay, loss, timeout = end
+    config = SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page, end_signal_delay_s=delay,
+                       end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed)
+    sim = AuditedSimulator(workflows, config, H100, policy=policy, prefetch=prefetch, predictions=source if uses else None)
     counters = sim.run()
+    assert counters.ended_by_signal + counters.ended_by_timeout + len(sim.finished) == len(workflows)
     assert counters.gpu_hit_tokens + counters.host_hit_tokens + counters.miss_tokens == counters.prompt_tokens
     assert counters.prompt_tokens == sum(c.prompt_tokens for w in workflows for c in w.calls)
     assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
@@ -141,6 +145,50 @@ def test_more_memory_helps_lru_and_the_oracle_beats_it():
     assert math.isclose(large["hit_rate"] + (large["host_hit_tokens"] + large["miss_tokens"]) / large["prompt_tokens"], 1)
 
 
+class RetirementLog(Simulator):
+    """Records when each workflow's last call finished and when the cache retired it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.done_at, self.retired_at = {}, {}
+        end = self.ledger.end
+
+        def logged_end(workflow):
+            self.retired_at.setdefault(workflow, self.servers[0].now)
+            return end(workflow)
+
+        self.ledger.end = logged_end
+
+    def _end_of_workflow(self, wf, server):
+        self.done_at[wf.id] = server.now
+        super()._end_of_workflow(wf, server)
+
+
+def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
+    workflows = small_workload("hover", 30, 2)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+
+    def run(**end):
+        fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
+        sim = RetirementLog(fresh, SimConfig(gpu_tokens=150_000, concurrency=6, **end), H100,
+                            policy="pbkv", predictions=PerfectSource(names, 3))
+        sim.run()
+        return sim
+
+    now = run()
+    assert now.counters().ended_by_signal == len(workflows)
+    assert all(now.retired_at[w] == now.done_at[w] for w in now.done_at)
+    late = run(end_signal_delay_s=4.0)
+    ended = [w for w in late.done_at if w in late.retired_at]
+    assert ended and all(late.retired_at[w] >= late.done_at[w] + 4.0 for w in ended)
+    assert all(late.retired_at[w] - late.done_at[w] < 4.0 + 1.0 for w in ended)  # within an iteration or so
+    half = run(end_signal_delay_s=1.0, end_signal_loss=0.5, inactivity_timeout_s=1e9, seed=3)
+    assert 5 < len(half.lost_signal) < 25 and half.lost_signal == run(end_signal_loss=0.5, seed=3).lost_signal
+    assert not any(w in half.retired_at for w in half.lost_signal)  # nothing retires them within the run
+    assert half.counters().ended_by_timeout == 0 and half.counters().ended_by_signal <= len(workflows) - len(half.lost_signal)
+    timed = run(end_signal_loss=1.0, inactivity_timeout_s=5.0)
+    assert timed.counters().ended_by_signal == 0 and timed.counters().ended_by_timeout > 0
+    assert all(timed.retired_at[w] >= timed.done_at[w] + 5.0 for w in timed.done_at if w in timed.retired_at)
 def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
     from serving_integration.cache.predictions import NoisySource
 
@@ -195,6 +243,6 @@ def test_online_backoff_learns_served_transitions_and_new_agents():
     # the simulator folds finished workflows in too
     workflows = small_workload("swebench", 20, 0)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
-    online = OnlineBackoff(StaticGraphSource([["planner", "coder"]], 3))
+    online = OnlineBackoff(AgentStepGraph.from_traces([["planner", "coder"]], 3))
     simulate(workflows, SimConfig(gpu_tokens=300_000, concurrency=4), H100, policy="pbkv", predictions=online)
     assert online.observed > 0 and set(names[1:]) <= set(online.agent_names)

@@ -11,7 +11,7 @@ Policies (design.md section 5):
     lru        last access time                                     (SGLang's default)
     lfu        (hit count, last access)                             (SGLang's)
     tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)
-    kvflow     larger steps-to-execution first, from a static agent step graph (KVFlow)
+    kvflow     larger steps-to-execution first, from the agent step graph (KVFlow)
     pbkv_lae   lifecycle-aware: retired cache first, then LRU
     pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties.
                trust="adaptive" (default) measures the predictions online and orders as
@@ -115,8 +115,11 @@ class WorkflowLedger:
 
     # ---------------------------------------------------------------- predictions
 
-    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs: torch.Tensor) -> None:
-        """probs: [B, K, A+1] for B workflows, END last (a predictor's output)."""
+    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs: torch.Tensor,
+                        steps: Sequence[dict[str, int]] | None = None) -> None:
+        """probs: [B, K, A+1] for B workflows, END last (a predictor's output). `steps`: each
+        workflow's steps-to-execution per agent, from an agent step graph (KVFlow); without it,
+        the first k at which the agent is the likeliest and more likely than END."""
         probs = probs.detach().to(torch.float64).cpu()
         alive = survival(probs).numpy()  # [B, K]
         probs = probs.numpy()
@@ -130,12 +133,16 @@ class WorkflowLedger:
                 continue
             self.reuse_value[w] = dict(zip(agent_names, value[i].tolist()))
             self.next_value[w] = dict(zip(agent_names, agents[i, 0].tolist()))  # s^(1) = 1
-            steps: dict[str, int] = {}
+            first: dict[str, int] = {}
             for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
                 if alive_k:
-                    steps.setdefault(agent_names[a], k)
-            self.steps_to[w] = steps
+                    first.setdefault(agent_names[a], k)
+            self.steps_to[w] = first
             self.unchecked[w] = None
+        if steps is not None:
+            for w, given in zip(workflows, steps):
+                if w in self.nodes_of:
+                    self.steps_to[w] = dict(given)
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:
         """A call of `agent` arrived in `workflow`: the probability the workflow's latest prediction

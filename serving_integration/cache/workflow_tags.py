@@ -12,8 +12,11 @@ Two carriers, both of which leave the radix tree's prefix sharing intact (design
 
 `custom_params` works from any client; `kv_hints` is SGLang's orchestrator envelope (it reaches
 `Req.kv_hints`, which mem_cache ignores in 0.5.23). When both are present the kv_hints action wins.
-`workflow_end: true` marks the workflow's last call: when it finishes, the workflow's cache is
-retired. `task` (the workflow's task text) is read once, for the predictor's text signal.
+`workflow_end: true` retires the workflow's cache when the request finishes. A real orchestrator
+knows a workflow is over only after its last call returned, so the benchmark client sends the end
+as its own tiny request after the last call (`end_signal: true`, with `workflow_end: true`): the
+plugin retires the workflow and records nothing else of that request (it is no agent call).
+`task` (the workflow's task text) is read once, for the predictor's text signal.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ class WorkflowTag:
     step: int | None = None
     workflow_end: bool = False
     task: str = ""
+    end_signal: bool = False  # the request only signals the workflow's end (no agent call)
 
     def as_payload(self) -> dict:
         payload: dict[str, Any] = {"workflow_id": self.workflow_id, "agent": self.agent,
                                    "workflow_end": self.workflow_end}
+        if self.end_signal:
+            payload["end_signal"] = True
         if self.step is not None:
             payload["step"] = self.step
         if self.task:
@@ -84,7 +90,17 @@ def tag_from_payload(payload: Any) -> WorkflowTag:
     task = payload.get("task") or ""
     if not isinstance(task, str):
         raise BadTag("'task' must be a string")
-    return WorkflowTag(workflow_id, agent, step, end, task[:MAX_TASK_CHARS])
+    signal = payload.get("end_signal", False)
+    if not isinstance(signal, bool):
+        raise BadTag("'end_signal' must be a boolean")
+    if signal and not end:
+        raise BadTag("an end signal ('end_signal': true) must carry 'workflow_end': true")
+    return WorkflowTag(workflow_id, agent, step, end, task[:MAX_TASK_CHARS], signal)
+
+
+def end_signal_tag(workflow_id: str, agent: str) -> WorkflowTag:
+    """The tag of the request a client sends after a workflow's last call returned."""
+    return WorkflowTag(workflow_id, agent, workflow_end=True, end_signal=True)
 
 
 def _hint_payload(kv_hints: Any) -> Any:

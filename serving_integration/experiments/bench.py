@@ -6,9 +6,12 @@
 Closed loop, as in the simulator: C workflows are live; each sends its next call when the previous
 one has finished plus that call's tool time (scaled by --tool-time-scale); a new workflow starts
 when one ends. Every call is a streamed `/generate` request with `input_ids` and
-`max_new_tokens = output_tokens` (`ignore_eos`), carrying its workflow id, agent, step and, on the
-workflow's last call, the end signal (workflow_tags.py; `sampling_params.custom_params` by default,
-`kv_hints` with --metadata kv_hints).
+`max_new_tokens = output_tokens` (`ignore_eos`), carrying its workflow id, agent and step
+(workflow_tags.py; `sampling_params.custom_params` by default, `kv_hints` with --metadata kv_hints).
+The end of a workflow is sent as a real orchestrator can send it: once its last call returned, a
+tiny request (one prompt token, one output token) whose tag says `end_signal` (--end-signal request,
+the default); `last-call` flags the last call itself instead (which needs knowing the future),
+`none` sends nothing (the plugin's inactivity timeout retires the workflow).
 
 Token ids: a segment's ids are drawn deterministically from its segment id (prefix-stable), so
 prompts that share a segment prefix share a token prefix and hit the same radix-tree nodes. A
@@ -39,7 +42,7 @@ import numpy as np
 
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.experiments.presentation import make_row
-from serving_integration.cache.workflow_tags import WorkflowTag, custom_params_for, kv_hints_for
+from serving_integration.cache.workflow_tags import WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for
 
 CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
 
@@ -137,10 +140,25 @@ class CallResult:
 # -------------------------------------------------------------------- the client
 
 
-def request_body(call: ReplayCall, input_ids: list[int], metadata: str, stream: bool, rid: str) -> dict:
+END_SIGNALS = ("request", "last-call", "none")
+
+
+def request_body(call: ReplayCall, input_ids: list[int], metadata: str, stream: bool, rid: str,
+                 end_on_last_call: bool = False) -> dict:
     sampling = {"max_new_tokens": max(call.output_tokens, 1), "ignore_eos": True, "temperature": 0.0}
     # the task text (the predictor's text signal) travels once, on the workflow's first call
-    tag = WorkflowTag(call.workflow_id, call.agent, call.step, call.last, call.task if call.first else "")
+    tag = WorkflowTag(call.workflow_id, call.agent, call.step, call.last and end_on_last_call,
+                      call.task if call.first else "")
+    return tagged_body(tag, input_ids, sampling, metadata, stream, rid)
+
+
+def end_signal_body(last: ReplayCall, token: int, metadata: str, rid: str) -> dict:
+    """The end-of-workflow request sent after the workflow's last call returned."""
+    sampling = {"max_new_tokens": 1, "temperature": 0.0}
+    return tagged_body(end_signal_tag(last.workflow_id, last.agent), [token], sampling, metadata, False, rid)
+
+
+def tagged_body(tag: WorkflowTag, input_ids: list[int], sampling: dict, metadata: str, stream: bool, rid: str) -> dict:
     body: dict = {"input_ids": input_ids, "sampling_params": sampling, "stream": stream, "rid": rid}
     if metadata == "custom_params":
         sampling["custom_params"] = custom_params_for(tag)
@@ -222,7 +240,10 @@ class ClosedLoopReplay:
 
     def __init__(self, url: str, workflows: list[list[ReplayCall]], concurrency: int, tokens: SegmentTokens,
                  metadata: str = "custom_params", stream: bool = True, tool_time_scale: float = 1.0,
-                 request_timeout_s: float = 600.0, progress: bool = True):
+                 request_timeout_s: float = 600.0, progress: bool = True, end_signal: str = "request"):
+        if end_signal not in END_SIGNALS:
+            raise ValueError(f"end_signal must be one of {', '.join(END_SIGNALS)}; got {end_signal!r}")
+        self.end_signal, self.end_signals_failed = end_signal, 0
         self.url, self.workflows, self.concurrency = url.rstrip("/"), workflows, concurrency
         self.tokens, self.metadata, self.stream = tokens, metadata, stream
         self.tool_time_scale, self.request_timeout_s, self.progress = tool_time_scale, request_timeout_s, progress
@@ -270,12 +291,27 @@ class ClosedLoopReplay:
                 bar.update(1)
                 bar.set_postfix(gpu_hit=f"{self._device_tokens / max(self._prompt_tokens, 1):.1%}", refresh=False)
             self.workflow_latencies[workflow[0].workflow_id] = self._clock() - began
+            if self.end_signal == "request" and self.metadata != "none":
+                await self._send_end(session, workflow[-1])
+
+    async def _send_end(self, session, last: ReplayCall) -> None:
+        import aiohttp
+
+        body = end_signal_body(last, self.tokens.low, self.metadata, f"{last.workflow_id}/end/{time.time_ns()}")
+        try:
+            async with session.post(f"{self.url}/generate", json=body) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        self.end_signals_failed += not ok
 
     async def _call(self, session, call: ReplayCall) -> CallResult:
         input_ids, segments = self.tokens.prompt(call)
         rid = f"{call.workflow_id}/{call.step}/{time.time_ns()}"
         result = CallResult(call.workflow_id, call.step, call.agent, segments=segments, start_s=self._clock())
-        await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid),
+        await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid,
+                                                       end_on_last_call=self.end_signal == "last-call"),
                        result, self._clock)
         result.end_s = self._clock()
         if result.ok and call.output_tokens > 0:
@@ -410,6 +446,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-time-scale", type=float, default=1.0, help="multiply the traces' tool times")
     p.add_argument("--metadata", choices=("custom_params", "kv_hints", "none"), default="custom_params")
     p.add_argument("--no-stream", action="store_true", help="plain responses (no TTFT)")
+    p.add_argument("--end-signal", choices=END_SIGNALS, default="request",
+                   help="request: a tiny end-of-workflow request after the last call returned; last-call: flag "
+                        "the last call; none: never (the plugin's inactivity timeout)")
     p.add_argument("--token-range", type=int, nargs=2, default=(1000, 30000), metavar=("LOW", "HIGH"),
                    help="synthesized token ids are drawn from [LOW, HIGH): keep it inside the model's vocabulary")
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -461,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=args.metadata, stream=not args.no_stream,
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, end_signal=args.end_signal)
     asyncio.run(replay.run())
     info = asyncio.run(server_info(args.url))
     workload = workflows[0][0].workload or Path(args.data).name

@@ -4,8 +4,11 @@ A row is one (workload, policy, prefetch, gpu_tokens, concurrency, noise) run of
 the same workflows and seed. The policies (`policies=[...]`):
 
     lru, lfu, tlru    SGLang's built-in orders, no predictions
-    kvflow            KVFlow: its steps-to-execution order from a static agent step graph fitted
-                      on the train split, with its own (aggressive) prefetch for the next agents
+    kvflow            KVFlow (arXiv 2507.07400): its steps-to-execution order from the Agent Step
+                      Graph of the workflow's definition (the graph a generated dataset declares in
+                      meta.json; for imported traces, every transition seen in the train split), in
+                      two rows: with its own (aggressive) prefetch for the next agents, and with none
+                      (to compare eviction orders at equal prefetch)
     pbkv_lae          lifecycle-aware LRU: retired cache first
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
@@ -18,6 +21,19 @@ the same workflows and seed. The policies (`policies=[...]`):
 `prefetch=[none,conservative,aggressive]` applies to pbkv, pbkv_perfect and oracle (the paper's
 full PBKV is pbkv with conservative prefetch); `predictor.noise` mixes pbkv's predictions with
 random distributions.
+
+`seeds=[0,1,2]` replays every setting once per seed s: the workload drawn with seed s (generated
+data: `data.source.seed=s`; imported traces: `data.split.seed=s`; data.store.resolve_seeded), the
+simulator and noise seeded with s, a predictor trained with seed s; summary.json's `rows` then hold
+the mean over seeds of every metric, its 95% confidence interval (`{metric}_ci95`, Student t over
+the seeds) and the per-seed values (`{metric}_per_seed`); `seed_rows` the per-seed rows. Without
+`seeds`, one replay with `seed` on the data as configured.
+
+The end signal reaches the cache `sim.end_signal_delay_s` after a workflow's last call (null: the
+median tool time of the train split, the typical time an orchestrator takes to act on a result);
+`sim.end_signal_loss` loses that share of them, leaving those workflows to
+`sim.inactivity_timeout_s` (null: twice the longest tool time of the train split, so that no
+workflow in the middle of a tool call is retired).
 
 With `kv.budget=N`, IntentKV rows follow: every request pruned to N tokens by `kv.method` in each
 of `kv.layouts`, beside the unpruned baseline (layout none), under `kv.policy`.
@@ -33,16 +49,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import store
 from data.atomic import temporary_sibling_dir, write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
-from serving_integration.cache.predictions import (ModelSource, NoisySource, OnlineBackoff, PerfectSource,
-                                                   StaticGraphSource, vocabulary)
+from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
+                                                   PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.experiments.presentation import add_gap_closed, make_row
+from serving_integration.experiments.presentation import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
@@ -112,6 +129,7 @@ def checkpoint_metrics(path: str) -> dict:
     return dict(read_checkpoint(path).get("metrics", {}))
 
 
+KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
 TRUST_OPTIONS = ("trust_threshold", "trust_margin", "trust_window")
 
 
@@ -130,17 +148,19 @@ def noisy_source(cfg: DictConfig, source):
     return NoisySource(source, cfg.predictor.noise, cfg.seed, kind=cfg.predictor.get("noise_kind", "uniform"))
 
 
-def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
+def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned, step_graph=None):
     """(policy, prefetch mode, what drives its predictions, simulate() keyword arguments) for each
-    requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source."""
+    requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source,
+    `step_graph` kvflow's AgentStepGraph."""
     unknown = sorted(set(cfg.policies) - set(POLICIES))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     for name in cfg.policies:
         if name == "kvflow":
-            yield name, "aggressive", "static_graph", dict(
-                policy="kvflow", policy_options=dict(cfg.kvflow), prefetch="aggressive",
-                predictions=StaticGraphSource(train_sequences, cfg.pbkv.horizon))
+            graph = step_graph or AgentStepGraph.from_traces(train_sequences, cfg.pbkv.horizon)
+            for mode in KVFLOW_PREFETCH:
+                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=dict(cfg.kvflow), prefetch=mode,
+                                                     predictions=graph)
         elif name in PREDICTIVE:
             source, label = ((learned[0], learned[1]["family"]) if name == "pbkv"
                              else (PerfectSource(agent_names, cfg.pbkv.horizon), "perfect"))
@@ -161,24 +181,57 @@ def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned):
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
-    """Run every requested policy (and the KV-pruning rows) on one workload; write summary.json."""
-    ds = store.resolve(cfg.data)
+    """Run every requested policy (and the KV-pruning rows) on one workload, once per seed of
+    `seeds` (or once with `seed`); write summary.json."""
+    seeds = list(cfg.get("seeds") or [])
+    if not seeds:
+        rows, info = evaluate_seed(cfg, store.resolve(cfg.data))
+        summary = {"rows": rows, **info}
+    else:
+        seed_rows, info = [], {}
+        for seed in seeds:
+            seeded = cfg.copy()
+            seeded.seed = seed
+            rows, info[seed] = evaluate_seed(seeded, store.resolve_seeded(cfg.data, seed))
+            seed_rows += rows
+        summary = {"rows": aggregate_seeds(seed_rows), "seed_rows": seed_rows,
+                   "predictor": {s: i["predictor"] for s, i in info.items()},
+                   "kvflow_graph": {s: i["kvflow_graph"] for s, i in info.items()},
+                   "end_signal": {s: i["end_signal"] for s, i in info.items()}}
+    summary["config"] = OmegaConf.to_container(cfg, resolve=True)
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def sim_config(cfg: DictConfig, train_workflows) -> SimConfig:
+    """SimConfig from cfg.sim; null end-signal settings come from the train split's tool times."""
+    options = {k: v for k, v in OmegaConf.to_container(cfg.sim, resolve=True).items() if k != "n_workflows"}
+    tool_times = [c.tool_time for w in train_workflows for c in w.calls[1:] if c.tool_time > 0]
+    if options.get("end_signal_delay_s") is None:
+        options["end_signal_delay_s"] = float(np.median(tool_times)) if tool_times else 0.0
+    if options.get("inactivity_timeout_s") is None:
+        options["inactivity_timeout_s"] = 2 * max(tool_times) if tool_times and max(tool_times) > 0 else 60.0
+    return SimConfig(**options, seed=cfg.seed)
+
+
+def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
+    """The rows of one replay of the configured split of dataset `ds`, with seed cfg.seed."""
     workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
     if not workflows:
         raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
-    train_sequences = [[c.agent for c in w.calls] for w in workflows_from_rows(ds.rows("train"))]
+    train = workflows_from_rows(ds.rows("train"))
+    train_sequences = [[c.agent for c in w.calls] for w in train]
     agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    sim = OmegaConf.to_container(cfg.sim, resolve=True)
-    setting = Setting(SimConfig(**{k: v for k, v in sim.items() if k != "n_workflows"}),
-                      instantiate(cfg.cost_model), workload=ds.workload, horizon=cfg.pbkv.horizon,
-                      gamma=cfg.pbkv.gamma, seed=cfg.seed)
+    setting = Setting(sim_config(cfg, train), instantiate(cfg.cost_model), workload=ds.workload,
+                      horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma, seed=cfg.seed, split=cfg.split)
     routes_by_prediction = cfg.sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
     learned = (learned_source(cfg, train_sequences, agent_names[1:], ds.path)
                if "pbkv" in cfg.policies or routes_by_prediction else None)
+    graph = AgentStepGraph.for_dataset(ds.meta, train_sequences, cfg.pbkv.horizon, agent_names)
     rows = []
     if learned:
         learned[1]["online_backoff"] = bool(cfg.predictor.get("online", False))
-    for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned):
+    for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned, graph):
         if routes_by_prediction and kwargs.get("predictions") is None:
             kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
         noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
@@ -197,10 +250,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
                                     layout=layout, kv_method="none" if layout == "none" else cfg.kv.method,
                                     kv_budget=None if layout == "none" else cfg.kv.budget))
     add_gap_closed(rows)
-    summary = {"rows": rows, "predictor": learned[1] if learned else {},
-               "config": OmegaConf.to_container(cfg, resolve=True)}
-    write_json(run_dir / "summary.json", summary)
-    return summary
+    info = {"predictor": learned[1] if learned else {},
+            "kvflow_graph": {"origin": graph.origin, **graph.graph},
+            "end_signal": {"delay_s": setting.sim.end_signal_delay_s, "loss": setting.sim.end_signal_loss,
+                           "inactivity_timeout_s": setting.sim.inactivity_timeout_s}}
+    return rows, info
 
 
 class Setting:
@@ -211,7 +265,7 @@ class Setting:
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
                        "replicas": sim.replicas, "routing": sim.routing,
-                       "cost_model": cost.name}
+                       "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)

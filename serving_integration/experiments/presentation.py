@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig
 
 # A summary.json row = these labels (with their defaults) + the replay's metrics
@@ -15,11 +16,13 @@ ROW_LABELS = {
     "noise": 0.0, "noise_kind": "none", "predictor": "none", "trust": "none", "horizon": None, "gamma": None,
     "layout": "none", "kv_method": "none", "kv_budget": None,
     "cost_model": None, "workflows": 0, "calls": 0, "seed": 0,
+    "split": "test",  # the replayed split: knobs are chosen on val, claims made on test
+    "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
     "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
-SETTING = ("workload", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
-           "replicas", "routing")
+SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
+           "end_signal_loss", "replicas", "routing")
 
 
 # metrics every row carries, null where a run cannot compute them (the bench client has no bound)
@@ -50,14 +53,50 @@ def add_gap_closed(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def aggregate_seeds(rows: list[dict]) -> list[dict]:
+    """One row per setting and method over the seeds of `rows`: each metric's mean, its 95%
+    confidence interval `{metric}_ci95` (half-width, Student t with n-1 degrees of freedom; None
+    for one seed) and `{metric}_per_seed`; `seeds` lists the seeds, `workflows` and `calls` are totals."""
+    from scipy import stats
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = tuple(repr(r.get(k)) for k in ROW_LABELS if k not in ("seed", "workflows", "calls"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for group in groups.values():
+        first = group[0]
+        row = {k: first.get(k) for k in ROW_LABELS}
+        row.update(seed=None, seeds=[r["seed"] for r in group], workflows=sum(r["workflows"] for r in group),
+                   calls=sum(r["calls"] for r in group))
+        for name in first:
+            if name in ROW_LABELS:
+                continue
+            values = [r.get(name) for r in group]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                row[name] = first[name] if all(v == first[name] for v in values) else None
+                continue
+            n = len(values)
+            row[name] = float(np.mean(values))
+            row[f"{name}_ci95"] = (float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
+                                   if n > 1 else None)
+            row[f"{name}_per_seed"] = values
+        out.append(row)
+    return out
+
+
 def row_label(r: dict) -> str:
     """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)][ @routing xN], or
     kv/LAYOUT; the routing policy and replica count are named when there is more than one replica.
-    The prefetch mode is named where it is a choice (not KVFlow's own, not 'none')."""
+    The prefetch mode is named where it is a choice (not KVFlow's own aggressive one, not 'none'
+    except for KVFlow without its prefetch)."""
     if r["comparison"] == "kv":
         return f"kv/{r['layout']}"
     name = r["policy"]
-    if r["prefetch"] != "none" and r["policy"] != "kvflow":
+    if r["policy"] == "kvflow":
+        if r["prefetch"] != "aggressive":
+            name += f"+{r['prefetch']}"
+    elif r["prefetch"] != "none":
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"

@@ -95,6 +95,8 @@ def md_table(head: list[str], body: list[list[str]]) -> str:
 
 
 def setting_tables(rows: list[dict]) -> str:
+    """One table per setting: every metric as mean ± 95% CI over the seeds (the value alone for one
+    seed); ratios against LRU and KVFlow (its own prefetch) paired by seed."""
     groups = defaultdict(list)
     for r in rows:
         if is_main(r):
@@ -102,26 +104,31 @@ def setting_tables(rows: list[dict]) -> str:
     parts = []
     for key, group in groups.items():
         lru = next((r for r in group if r["policy"] == "lru"), None)
-        kvflow = next((r for r in group if r["policy"] == "kvflow"), None)
+        kvflow = next((r for r in group if r["policy"] == "kvflow" and r["prefetch"] == "aggressive"), None)
+
+        def vs(base, r, field, higher):
+            return pm(paired_ratios(r, base, field, higher)) if base else "n/a"
+
+        def cell(r, field, spec="{:.2f}"):
+            return pm(per_seed(r, field), spec) if isinstance(r.get(field), (int, float)) else "n/a"
+
         body = []
         for r in group:
-            body.append([label(r), fmt(r["hit_rate"], "{:.1%}"),
-                         fmt(ratio(r["hit_rate"], lru["hit_rate"]) if lru else None),
-                         fmt(ratio(r["hit_rate"], kvflow["hit_rate"]) if kvflow else None),
-                         fmt(r["mean_workflow_latency_s"]),
-                         fmt(ratio(lru["mean_workflow_latency_s"], r["mean_workflow_latency_s"]) if lru else None),
-                         fmt(ratio(kvflow["mean_workflow_latency_s"], r["mean_workflow_latency_s"]) if kvflow else None),
-                         fmt(r["p99_workflow_latency_s"]), fmt(r["mean_ttft_s"], "{:.3f}"),
+            body.append([label(r), cell(r, "hit_rate", "{:.1%}"), vs(lru, r, "hit_rate", True),
+                         vs(kvflow, r, "hit_rate", True), cell(r, "mean_workflow_latency_s"),
+                         vs(lru, r, "mean_workflow_latency_s", False), vs(kvflow, r, "mean_workflow_latency_s", False),
+                         cell(r, "p99_workflow_latency_s"), cell(r, "mean_ttft_s", "{:.3f}"),
                          fmt(r["prefetch_precision"], "{:.0%}"),
-                         fmt(r.get("reuse_rate"), "{:.1%}"), fmt(r.get("recompute_rate"), "{:.1%}"),
-                         fmt(r.get("bound_hit_rate"), "{:.1%}"), fmt(r.get("gap_closed")),
-                         *(fmt(r.get(f"time_{part}_s")) for part in TIME_SPLIT)])
+                         cell(r, "reuse_rate", "{:.1%}"), cell(r, "recompute_rate", "{:.1%}"),
+                         cell(r, "bound_hit_rate", "{:.1%}"), cell(r, "gap_closed"),
+                         *(cell(r, f"time_{part}_s") for part in TIME_SPLIT)])
         head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "mean latency (s)", "speed-up vs LRU",
                 "speed-up vs KVFlow", "p99 latency (s)", "mean TTFT (s)", "prefetch precision",
                 "reuse (GPU + host)", "recomputed", "upper bound", "gap closed",
                 *(f"{part} (s/wf)" for part in TIME_SPLIT)]
-        parts.append(f"### {setting_title(key)}\n\n{group[0]['workflows']} workflows, {group[0]['calls']} calls "
-                     f"({Path(group[0]['source']).parent})\n\n" + md_table(head, body))
+        seeds = group[0].get("seeds") or [group[0].get("seed")]
+        parts.append(f"### {setting_title(key)}\n\n{group[0]['workflows']} workflows, {group[0]['calls']} calls, "
+                     f"seed(s) {seeds} ({Path(group[0]['source']).parent})\n\n" + md_table(head, body))
     return "\n\n".join(parts)
 
 
@@ -134,66 +141,159 @@ SETTING_NOTE = (
     "mean workflow latency: tool time, admission queue, prefill, decode and PCIe loads, seconds per workflow.")
 
 
-def best(rows, policy, base_policy, workloads, field, higher=True):
-    """The largest ratio of `policy` (its best prefetch mode: the paper's PBKV prefetches
-    conservatively) over `base_policy` on the same setting, and where."""
-    found = None
-    by_setting = defaultdict(lambda: defaultdict(list))
+# -------------------------------------------------------------------- claims: knobs chosen on val, numbers on test
+
+# a configuration of a method: the knobs tuned on the validation split (memory point, K, gamma, prefetch)
+MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing")
+OWN_PREFETCH = {"kvflow": "aggressive"}  # a baseline compared with its own prefetch; others without
+
+
+def per_seed(r: dict, field: str) -> list[float]:
+    return list(r.get(f"{field}_per_seed") or [r[field]])
+
+
+def mean_ci(values: list[float]) -> tuple[float, float | None]:
+    """Mean and 95% confidence half-width (Student t over the seeds; None for one value)."""
+    from scipy import stats
+
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return math.nan, None
+    n = len(values)
+    if n < 2:
+        return float(values[0]), None
+    return float(np.mean(values)), float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n))
+
+
+def pm(values: list[float], spec: str = "{:.2f}") -> str:
+    """mean ± ci (one value: the value alone)."""
+    mean, ci = mean_ci(values)
+    if math.isnan(mean):
+        return "n/a"
+    return spec.format(mean) + ("" if ci is None else " ± " + spec.format(ci))
+
+
+def split_of(r: dict) -> str:
+    return r.get("split") or "test"
+
+
+def paired_ratios(a: dict, b: dict, field: str, higher: bool) -> list[float]:
+    """Per-seed ratios a/b (higher is better) or b/a (lower is better), paired by seed."""
+    xs, ys = per_seed(a, field), per_seed(b, field)
+    return [ratio(x, y) if higher else ratio(y, x) for x, y in zip(xs, ys)]
+
+
+def index_rows(rows, workloads) -> dict:
+    """(split, MATCH values, policy, prefetch) -> row, for the plain policy rows of `workloads`."""
+    out = {}
     for r in rows:
         if is_main(r) and r["workload"].split("-")[0] in workloads:
-            by_setting[setting_of(r)][r["policy"]].append(r[field])
-    for key, policies in by_setting.items():
-        if policy in policies and base_policy in policies:
-            pick = max if higher else min
-            a, b = pick(policies[policy]), pick(policies[base_policy])
-            value = ratio(a, b) if higher else ratio(b, a)
-            if found is None or value > found[0]:
-                found = (value, key)
-    return f"{found[0]:.2f}x ({setting_title(found[1])})" if found else "not in these runs"
+            out.setdefault((split_of(r), tuple(r.get(k) for k in MATCH), r["policy"], r["prefetch"]), r)
+    return out
+
+
+def knobs_text(match: tuple, prefetch: str) -> str:
+    at = dict(zip(MATCH, match))
+    return (f"gpu_tokens={at['gpu_tokens']}, C={at['concurrency']}, K={at['horizon']}, gamma={at['gamma']}, "
+            f"prefetch={prefetch}")
+
+
+def choose_on_val(rows, policy, base_policy, workloads, field, higher=True) -> dict[str, tuple]:
+    """Per workload: the configuration of `policy` (memory point, K, gamma, prefetch mode) with the
+    best mean ratio over `base_policy` on the validation split, and its test rows. Without val rows,
+    a workload whose test rows hold a single configuration uses it (nothing to choose)."""
+    index = index_rows(rows, workloads)
+    base_prefetch = OWN_PREFETCH.get(base_policy, "none")
+    chosen = {}
+    for workload in sorted({key[1][0] for key in index}):
+        def candidates(split):
+            for (sp, match, pol, prefetch), r in index.items():
+                base = index.get((sp, match, base_policy, base_prefetch))
+                if sp == split and pol == policy and match[0] == workload and base is not None:
+                    yield match, prefetch, r, base
+
+        val = list(candidates("val"))
+        test = list(candidates("test"))
+        if val:
+            match, prefetch, _, _ = max(val, key=lambda c: np.mean(paired_ratios(c[2], c[3], field, higher)))
+            how = "chosen on val"
+        elif len(test) == 1:
+            match, prefetch, _, _ = test[0]
+            how = "the only configuration run"
+        else:
+            chosen[workload] = None if not test else f"{len(test)} configurations on test, no val rows to choose"
+            continue
+        pick = index.get(("test", match, policy, prefetch)), index.get(("test", match, base_policy, base_prefetch))
+        chosen[workload] = (match, prefetch, how, *pick) if all(pick) else "the val choice has no test rows"
+    return chosen
+
+
+def claim(rows, policy, base_policy, workloads, field, higher=True) -> str:
+    parts = []
+    for workload, pick in choose_on_val(rows, policy, base_policy, workloads, field, higher).items():
+        if pick is None:
+            continue
+        if isinstance(pick, str):
+            parts.append(f"{workload}: {pick}")
+            continue
+        match, prefetch, how, a, b = pick
+        parts.append(f"{workload}: {pm(paired_ratios(a, b, field, higher))}x ({knobs_text(match, prefetch)}; {how}; "
+                     f"{len(per_seed(a, field))} seed(s))")
+    return "<br>".join(parts) or "not in these runs"
 
 
 def hit_rates_point(rows) -> str:
-    """LRU / lifecycle-only / PBKV hit rates where PBKV gains most over LRU (dynamic workloads)."""
-    by_setting = defaultdict(dict)
-    for r in rows:
-        if is_main(r) and r["prefetch"] == "none" and r["workload"].split("-")[0] in DYNAMIC:
-            by_setting[setting_of(r)].setdefault(r["policy"], r["hit_rate"])
-    full = {k: h for k, h in by_setting.items() if {"lru", "pbkv_lae", "pbkv"} <= set(h)}
-    if not full:
-        return "not in these runs"
-    key, hits = max(full.items(), key=lambda item: ratio(item[1]["pbkv"], item[1]["lru"]))
-    return (f"LRU {hits['lru']:.1%}, lifecycle-only {hits['pbkv_lae']:.1%}, PBKV {hits['pbkv']:.1%} "
-            f"({setting_title(key)})")
+    """LRU / lifecycle-only / PBKV hit rates (no prefetch) at the memory point where PBKV gains
+    most over LRU on val, measured on test (dynamic workloads)."""
+    index = index_rows(rows, DYNAMIC)
+    parts = []
+    for workload, pick in choose_on_val([r for r in rows if r["prefetch"] == "none"], "pbkv", "lru", DYNAMIC,
+                                        "hit_rate").items():
+        if not isinstance(pick, tuple):
+            continue
+        match = pick[0]
+        lae = index.get(("test", match, "pbkv_lae", "none"))
+        hits = [("LRU", pick[4]), ("lifecycle-only", lae), ("PBKV", pick[3])]
+        parts.append(f"{workload}: " + ", ".join(f"{name} {pm(per_seed(r, 'hit_rate'), '{:.1%}')}"
+                                                 for name, r in hits if r) + f" ({knobs_text(match, 'none')}; {pick[2]})")
+    return "<br>".join(parts) or "not in these runs"
 
 
 def noise_claim(rows) -> str:
     out = []
-    for eps in sorted({r["noise"] for r in rows if r["policy"] == "pbkv" and r["noise"]}):
-        modes = {r["prefetch"]: r for r in rows if r["policy"] == "pbkv" and r["noise"] == eps}
+    test = [r for r in rows if split_of(r) == "test" and r["policy"] == "pbkv"]
+    for eps in sorted({r["noise"] for r in test if r["noise"]}):
+        modes = {r["prefetch"]: r for r in test if r["noise"] == eps}
         if {"none", "conservative", "aggressive"} <= set(modes):
-            lat = {m: modes[m]["mean_workflow_latency_s"] for m in modes}
-            out.append(f"eps={eps:g}: mean latency none {lat['none']:.2f} s, conservative "
-                       f"{lat['conservative']:.2f} s, aggressive {lat['aggressive']:.2f} s")
+            lat = {m: pm(per_seed(modes[m], "mean_workflow_latency_s")) for m in modes}
+            out.append(f"eps={eps:g}: mean latency none {lat['none']} s, conservative "
+                       f"{lat['conservative']} s, aggressive {lat['aggressive']} s")
     return "; ".join(out) or "not in these runs"
 
 
 def claims_table(rows) -> str:
     ours = {
-        "hit_vs_lru": best(rows, "pbkv", "lru", DYNAMIC, "hit_rate"),
-        "latency_vs_lru": best(rows, "pbkv", "lru", DYNAMIC, "mean_workflow_latency_s", higher=False),
-        "lae_hit_vs_lru": best(rows, "pbkv_lae", "lru", DYNAMIC, "hit_rate"),
-        "static_hit_vs_kvflow": best(rows, "pbkv", "kvflow", STATIC, "hit_rate"),
-        "static_latency_vs_kvflow": best(rows, "pbkv", "kvflow", STATIC, "mean_workflow_latency_s", higher=False),
+        "hit_vs_lru": claim(rows, "pbkv", "lru", DYNAMIC, "hit_rate"),
+        "latency_vs_lru": claim(rows, "pbkv", "lru", DYNAMIC, "mean_workflow_latency_s", higher=False),
+        "lae_hit_vs_lru": claim(rows, "pbkv_lae", "lru", DYNAMIC, "hit_rate"),
+        "static_hit_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "hit_rate"),
+        "static_latency_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "mean_workflow_latency_s", higher=False),
         "qwen3_32b_point": hit_rates_point(rows),
         "noise": noise_claim(rows),
     }
     names = {"hit_vs_lru": "PBKV GPU hit rate vs LRU", "latency_vs_lru": "PBKV latency vs LRU",
              "lae_hit_vs_lru": "lifecycle-only (pbkv_lae) hit rate vs LRU",
-             "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow",
-             "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow",
+             "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow (its own prefetch)",
+             "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow (its own prefetch)",
              "qwen3_32b_point": "LRU / lifecycle-only / PBKV hit rates", "noise": "prediction noise and prefetch"}
-    return md_table(["claim", "paper", "ours (largest over the runs, and where)"],
+    return md_table(["claim", "paper", "ours: test split, mean ± 95% CI over seeds, knobs chosen on val"],
                     [[names[k], PAPER[k], ours[k]] for k in PAPER])
+
+
+CLAIMS_NOTE = ("Each of our numbers is measured on the test split with the configuration (GPU memory point, "
+               "horizon K, gamma, prefetch mode) that did best on the validation split of the same runs "
+               "(`split=val`); ratios are taken per seed (paired) and shown as mean ± the 95% confidence "
+               "half-width of Student's t over the seeds (`seeds=[...]`; a single seed shows no interval).")
 
 
 def regret_fit(rows) -> tuple[str, list]:
@@ -439,7 +539,7 @@ def build(paths: list[str], out: Path) -> Path:
         md = "\n\n".join([
             "# PBKV report",
             f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
-            "## The paper's claims beside ours", claims_table(rows),
+            "## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows),
             "## Prediction noise: regret and its linear fit", regret_md,
             "## KV pruning (IntentKV)", kv_table(rows),
             "## A cluster: replicas x routing x eviction", cluster_section(rows),

@@ -71,9 +71,11 @@ def dataset_section(steps: list[dict], runs: Path, record: dict) -> str:
 def train_section(steps: list[dict], runs: Path, record: dict) -> str:
     from benchmarks.predictor_table import format_table
 
-    parts = ["## Predictors", "Test split, per predicted step k (models/metrics.py)."]
+    parts = ["## Predictors", "Test split, per predicted step k (models/metrics.py): top1 unconditional (steps "
+             "past the end count as END), top1_alive over the workflows still running; on generated data the "
+             "last row is the Bayes ceiling (docs/predictors.md)."]
     for step in steps:
-        parts += [f"### {step['title']}", format_table([runs / "train" / step["name"]], ["top1"]),
+        parts += [f"### {step['title']}", format_table([runs / "train" / step["name"]], ["top1", "top1_alive"]),
                   commands([step], record)]
     return "\n\n".join(parts)
 

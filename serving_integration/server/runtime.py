@@ -252,16 +252,18 @@ class GuardedPredictor:
 
 
 def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
-    """pbkv: the train.py checkpoint; kvflow: its static step graph from a trace dataset. A source
+    """pbkv: the train.py checkpoint; kvflow: the agent step graph of a trace dataset (the graph its
+    meta.json declares, else its train split's transitions). A source
     that cannot be built is logged and counted; the policy then runs as lifecycle-aware LRU."""
     try:
         if policy == "kvflow" and config.step_graph_traces:
             from data import store
-            from serving_integration.cache.predictions import StaticGraphSource
+            from serving_integration.cache.predictions import AgentStepGraph
             from serving_integration.cache.workload import workflows_from_rows
 
-            train = workflows_from_rows(store.load(config.step_graph_traces).rows("train"))
-            return StaticGraphSource([[c.agent for c in w.calls] for w in train], config.horizon)
+            dataset = store.load(config.step_graph_traces)
+            train = workflows_from_rows(dataset.rows("train"))
+            return AgentStepGraph.for_dataset(dataset.meta, [[c.agent for c in w.calls] for w in train], config.horizon)
         if policy != "kvflow" and config.checkpoint:
             from models import load_predictor
             from serving_integration.cache.predictions import ModelSource, OnlineBackoff
@@ -352,7 +354,7 @@ class WorkflowRuntime:
     def on_cached(self, req, path_node_ids: list[int]) -> None:
         """The request's tokens are in the tree along `path_node_ids` (SGLang's checkpoint)."""
         tag = self.tag_of(req)
-        if tag is None:
+        if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
         wf = self._live(tag)
         if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
@@ -369,6 +371,11 @@ class WorkflowRuntime:
         tag = self.tag_of(req)
         self.tags.pop(getattr(req, "rid", None), None)
         if tag is None:
+            return
+        if tag.end_signal:  # sent after the workflow's last call returned
+            self.stats.count("end_signals")
+            if tag.workflow_id in self.workflows:
+                self.end_workflow(tag.workflow_id)
             return
         wf = self._live(tag)
         wf.running.discard(req.rid)
@@ -421,7 +428,9 @@ class WorkflowRuntime:
             self.degraded = True
             self.stats.count("fallback_rounds")
             return
-        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs)
+        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow's step graph
+        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
+                                    graph_steps(batch) if graph_steps else None)
         self.degraded = False
 
     def retire_silent_workflows(self) -> None:

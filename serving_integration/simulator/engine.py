@@ -14,6 +14,13 @@ The predictor is called after every finished call, batched over the workflows wh
 finished in the same iteration; its cost can be charged to the timeline. Conservative or
 aggressive prefetch runs in decode-only iterations and idle time, with the PCIe bandwidth of
 that time as its budget. Everything is deterministic for a given input and seed.
+
+The end of a workflow reaches the cache as a real client sends it: after its last call, once the
+client has decided to stop (`end_signal_delay_s` later; 0: with the last call). A share
+`end_signal_loss` of the end signals (drawn per workflow with `seed`) never arrives; the cache
+then retires a workflow after `inactivity_timeout_s` without calls, as the plugin does (a live
+workflow silent that long is retired too, and starts afresh with its next call). Until it is
+retired, a finished workflow is predicted, scored and prefetched for like any other.
 """
 
 from __future__ import annotations
@@ -54,6 +61,17 @@ class SimConfig:
     replicas: int = 1  # servers behind the router; gpu_tokens is their total, split evenly
     routing: str = "none"  # the router's policy (serving_integration/simulator/router.py)
     router: dict = field(default_factory=dict)  # routing policy name -> its options
+    end_signal_delay_s: float = 0.0  # the end signal arrives this long after a workflow's last call
+    end_signal_loss: float = 0.0  # share of end signals lost (seeded)
+    inactivity_timeout_s: float = math.inf  # retire a workflow silent this long
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.end_signal_loss <= 1.0:
+            raise ValueError(f"sim.end_signal_loss must be in [0, 1]; got {self.end_signal_loss}")
+        if self.end_signal_delay_s < 0 or not self.inactivity_timeout_s > 0:
+            raise ValueError("sim.end_signal_delay_s must be >= 0 and sim.inactivity_timeout_s > 0; got "
+                             f"{self.end_signal_delay_s} and {self.inactivity_timeout_s}")
 
 
 @dataclass(eq=False)
@@ -136,6 +154,9 @@ class Counters:
     time_decode_s: float = 0.0
     time_pcie_s: float = 0.0
     time_predictor_s: float = 0.0
+    ended_by_signal: int = 0
+    ended_by_timeout: int = 0  # finished workflows whose end signal was lost
+    live_timeouts: int = 0  # live workflows retired by the timeout during a long tool call
 
 
 class Server:
@@ -312,9 +333,10 @@ class Server:
         batch = len(self.decoding)
         kv = sum(r.context for r in self.decoding)
         steps = min(r.decode_left for r in self.decoding)
-        arrivals = self.sim.arrivals  # the next arrival anywhere ends the run of identical iterations
-        if arrivals:
-            gap = arrivals[0][0] - self.now
+        arrivals = self.sim.arrivals  # the next arrival (or retirement) anywhere ends the run of identical iterations
+        next_event = min(arrivals[0][0] if arrivals else INF, self.sim._next_retirement())
+        if next_event < INF:
+            gap = next_event - self.now
             steps = max(1, min(steps, math.ceil(gap / self.cost.decode_step_s(batch, kv))))
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
         self._prefetch(seconds)
@@ -358,16 +380,17 @@ class Server:
         self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
 
     def _predict(self) -> None:
-        live = self.sim.live
-        batch = [w for w in self.to_predict if w.id in live]
+        batch = [w for w in self.to_predict if self.ledger.is_live(w.id)]
         self.to_predict = []
         predictions = self.sim.predictions
         if not batch or predictions is None:
             return
         started = time.perf_counter()
         probs = predictions.predict(batch)
+        graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
+        steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
-        self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs)
+        self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
         for w in batch:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
@@ -387,7 +410,7 @@ class Server:
         tree = self.tree
         running = self.sim.running
         candidates = {}
-        for wf_id in self.sim.live:
+        for wf_id in itertools.chain(self.sim.live, self.sim.finished):
             if wf_id in running:
                 continue
             for node_id in self.ledger.nodes_of.get(wf_id, ()):
@@ -452,6 +475,14 @@ class Simulator:
         self.running: dict[str, Request] = {}  # workflow id -> its request in flight
         self.arrivals: list = []
         self._seq = itertools.count()
+        lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
+        self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
+        # SGLang's own orders without prefetch never read the ledger: when a workflow is retired
+        # cannot change what they do, so they retire it with its last call (no extra events)
+        self.immediate_end = first.policy.served_by == "sglang" and not first.prefetch.enabled
+        self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
+        self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
+        self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
 
     # the single server's state, for callers that drive one server
     @property
@@ -510,8 +541,17 @@ class Simulator:
             for s in servers:
                 if (s.waiting or s.prefilling or s.decoding) and (server is None or s.now < server.now):
                     server = s
+            retire_at = self._next_retirement()
+            if retire_at < INF and (arrivals or server) and retire_at <= min(
+                    arrivals[0][0] if arrivals else INF, server.now if server else INF):
+                self._retire_next()
+                continue
             if arrivals and (server is None or arrivals[0][0] <= server.now):
                 t, _, wf = heapq.heappop(arrivals)
+                self.idle_since.pop(wf.id, None)
+                for s in servers:
+                    if not s.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
+                        s.ledger.start(wf.id)
                 servers[router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf)
                 continue
             if server is None:
@@ -540,17 +580,69 @@ class Simulator:
         if wf.next_call < len(wf.calls):
             self._arrive_at(server.now + wf.calls[wf.next_call].tool_time, wf)
             server.to_predict.append(wf)
+            self._wait_for_call(wf, server.now)
         else:
             server.counters.latencies.append(server.now - wf.start_time)
             del self.live[wf.id]
-            for s in self.servers:
-                s.tree.refresh_ids(s.ledger.end(wf.id))
+            self._end_of_workflow(wf, server)
             tell_finished(self.predictions, wf)
             self.router.forget(wf.id)
             self._start_workflows(server.now)
         if self.future:
             self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
             self._refresh_future(wf)
+
+
+    # ------------------------------------------------------------------ end of workflows
+
+    def _wait_for_call(self, wf: SimWorkflow, now: float) -> None:
+        """wf's call finished: the inactivity timeout runs from now until its next call."""
+        self.idle_since[wf.id] = now
+        if self.config.inactivity_timeout_s < INF and not self.immediate_end:
+            heapq.heappush(self.retirements, (now + self.config.inactivity_timeout_s, next(self._seq), wf.id, now))
+
+    def _retire(self, wf_id: str) -> None:
+        for s in self.servers:
+            s.tree.refresh_ids(s.ledger.end(wf_id))
+
+    def _end_of_workflow(self, wf: SimWorkflow, server: Server) -> None:
+        if self.immediate_end or (wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0):
+            self.servers[0].counters.ended_by_signal += 1
+            self._retire(wf.id)
+            return
+        self.finished[wf.id] = wf
+        server.to_predict.append(wf)  # the cache does not know yet that this was the last call
+        self._wait_for_call(wf, server.now)
+        if wf.id not in self.lost_signal:
+            heapq.heappush(self.retirements, (server.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
+
+    def _valid(self, event) -> bool:
+        _, _, wf_id, stamp = event
+        if not self.servers[0].ledger.is_live(wf_id):
+            return False
+        return stamp is None or self.idle_since.get(wf_id) == stamp
+
+    def _next_retirement(self) -> float:
+        while self.retirements and not self._valid(self.retirements[0]):
+            heapq.heappop(self.retirements)
+        return self.retirements[0][0] if self.retirements else INF
+
+    def _retire_next(self) -> None:
+        t, _, wf_id, stamp = heapq.heappop(self.retirements)
+        finished = self.finished.pop(wf_id, None) is not None
+        c = self.servers[0].counters
+        if stamp is None:
+            c.ended_by_signal += 1
+        elif finished:
+            c.ended_by_timeout += 1
+        else:
+            c.live_timeouts += 1
+        self.idle_since.pop(wf_id, None)
+        for s in self.servers:  # an idle server's clock moves to the retirement
+            if not (s.waiting or s.prefilling or s.decoding) and s.now < t:
+                s._prefetch(t - s.now)
+                s.now = t
+        self._retire(wf_id)
 
 
 def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
@@ -567,6 +659,9 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
         "prefetched_tokens": c.prefetched_tokens,
         "kv_tokens_read": c.kv_tokens_read,
         "predictor_calls": c.predictor_calls,
+        "ended_by_signal": c.ended_by_signal,
+        "ended_by_timeout": c.ended_by_timeout,
+        "live_timeouts": c.live_timeouts,
     }
 
 
