@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-# Offline by default: no W&B upload, no hub downloads (design.md section 9).
+# Offline by default: no W&B upload, no hub downloads (docs/install.md).
 export WANDB_MODE ?= offline
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 
 DEMO_DIR := runs/demo
 
-.PHONY: setup demo test serve clean
+.PHONY: setup demo test results serve clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ demo: setup
 	  "prefetch=[none,conservative]" hydra.run.dir=$(DEMO_DIR)/evaluate
 	@echo "== 5/5 build the report"
 	@$(PY) -m serving_integration.experiments.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
+
+# docs/results.md from runs: every step of conf/results.yaml (datasets, predictors, experiments) into
+# runs/results, then the page. OMP_NUM_THREADS=1: parallel sweep jobs would fight over torch's threads.
+results: setup
+	OMP_NUM_THREADS=1 $(PY) -m serving_integration.experiments.results
 
 test: setup
 	$(PY) -m pytest

@@ -1,4 +1,4 @@
-"""Replay workflows through the serving simulator under each cache policy (design.md sections 5-6).
+"""Replay workflows through the serving simulator under each cache policy (docs/simulator.md).
 
     python evaluate.py                                              # every policy on hover
     python evaluate.py policies=[lru,kvflow,pbkv_lae,pbkv,oracle] sim.gpu_tokens=300000 sim.concurrency=32

@@ -1,4 +1,4 @@
-"""Train a workflow predictor and write a self-contained checkpoint (design.md section 4).
+"""Train a workflow predictor and write a self-contained checkpoint (docs/predictors.md).
 
     python train.py model=graphsage                 # also rgcn, markov, intent_residual
     python train.py model=markov data.path=DIR hydra.run.dir=RUN

@@ -1,4 +1,4 @@
-"""Synthetic agent workloads that mirror the paper's benchmarks (design.md section 3).
+"""Synthetic agent workloads that mirror the paper's benchmarks (docs/datasets.md).
 
 Each workflow draws a latent (hop count, difficulty, question type) that its task text reveals
 and that decides its path, so the task text carries information the call history does not.

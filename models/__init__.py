@@ -1,4 +1,4 @@
-"""PBKV predictors (design.md section 4): one interface, four families.
+"""PBKV predictors (docs/predictors.md): one interface, four families.
 
     from models import WorkflowPrefix, load_predictor, survival
     predictor = load_predictor("runs/.../predictor.pt")

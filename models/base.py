@@ -1,4 +1,4 @@
-"""The one predictor interface the simulator and the SGLang plugin call (design.md section 4).
+"""The one predictor interface the simulator and the SGLang plugin call (docs/predictors.md).
 
 For a live workflow after its t-th call, a predictor returns K distributions over the agents
 plus END, in one forward pass:

@@ -1,4 +1,4 @@
-"""The global call graph G built from the training traces (design.md section 4).
+"""The global call graph G built from the training traces (docs/predictors.md).
 
 Nodes are the vocabulary's agents (``<unk>`` included) plus END; the weight of edge a -> b is the
 number of observed transitions from a call of a to a call of b (b = END when a closed the

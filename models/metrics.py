@@ -1,4 +1,4 @@
-"""Per-step predictor metrics (design.md section 4), for each k = 1..K:
+"""Per-step predictor metrics (docs/predictors.md), for each k = 1..K:
 
 - ``top1_k{k}``: unconditional top-1 over every prefix: a step past the workflow's end counts as
   END, and the predictor's answer is the argmax of its unconditional distribution

@@ -1,5 +1,5 @@
 """The text signal h_txt: the serving model's hidden state when the trace has one, else a text
-encoder over the task text (design.md section 4).
+encoder over the task text (docs/predictors.md).
 
 Encoders (a config choice, recorded in the checkpoint):
 

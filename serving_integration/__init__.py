@@ -1,1 +1,1 @@
-"""Cache policies, serving simulator, SGLang plugin (issues 4, 5)."""
+"""Cache policies, serving simulator, SGLang plugin ."""

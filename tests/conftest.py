@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-# Offline always: no W&B upload, no hub access (design.md section 9).
+# Offline always: no W&B upload, no hub access (docs/install.md).
 os.environ["WANDB_MODE"] = "offline"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"

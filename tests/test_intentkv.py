@@ -1,4 +1,4 @@
-"""IntentKV (issue 6): layouts checked against a real attention implementation, scoring, baselines.
+"""IntentKV: layouts checked against a real attention implementation, scoring, baselines.
 
 The model is a randomly initialised 2-layer Llama built from a config (nothing is downloaded).
 History K/V come from its own KV cache; the latest span is then run through its real decoder

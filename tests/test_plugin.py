@@ -1,5 +1,5 @@
-"""The PBKV SGLang plugin, on CPU, against the real sglang 0.5.23 package (installed as design.md
-section 9 describes; CI installs it too). Nothing here is skipped: a missing sglang fails.
+"""The PBKV SGLang plugin, on CPU, against the real sglang 0.5.23 package (installed as docs/install.md
+describes; CI installs it too). Nothing here is skipped: a missing sglang fails.
 
 The cache is SGLang's own UnifiedRadixCache with real CPU pools and the Python tree core; requests
 are SGLang `Req` objects released through SGLang's `release_kv_cache`, so the plugin's hooks run

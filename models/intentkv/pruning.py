@@ -1,4 +1,4 @@
-"""IntentKV: prune a long agent context to a KV budget, two layouts (design.md section 8).
+"""IntentKV: prune a long agent context to a KV budget, two layouts (docs/intentkv.md; arXiv 2606.09916).
 
 Shapes follow one convention throughout: per-layer, per-head tensors are stacked as
 ``[L, H, T, D]`` (layers, heads, positions, head dim); a score vector is ``[T]``; a

@@ -1,5 +1,5 @@
 """IntentKV in the simulator: prune every request of a workflow to a KV budget, in one of two
-layouts, and replay the result through the same simulator (design.md section 8).
+layouts, and replay the result through the same simulator (docs/intentkv.md; arXiv 2606.09916).
 
 The pruning unit is a chunk of `chunk_tokens` tokens of a prompt segment. For each call the
 method scores the chunks, keeps the protected ones (the system prefix: the first segment; the

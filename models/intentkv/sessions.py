@@ -1,6 +1,6 @@
 """Text-bearing agent sessions, token labels and K/Q features for the IntentKV residual head.
 
-Labels (design.md section 8): at the decision point before tool call ``c``, a history token is
+Labels (docs/intentkv.md; arXiv 2606.09916): at the decision point before tool call ``c``, a history token is
 positive if it appears literally in the arguments of calls ``c .. c+4``. "Literally" is taken at
 the word level of the tokenizer: the token's pre-tokenized word (normalised, lower-cased) is one
 of the words of those calls' argument *values*; punctuation-only words never count.

@@ -1,4 +1,4 @@
-"""Train the IntentKV residual head on generated text sessions (design.md section 8, issue 6 part 5).
+"""Train the IntentKV residual head on generated text sessions (docs/intentkv.md).
 
     python -m models.intentkv.train steps=200 out=runs/intentkv
     python -m models.intentkv.train steps=50 n_train=20 n_test=10 out=/tmp/ikv     # smoke run

@@ -7,7 +7,7 @@ nodes, in the simulator's tree or in SGLang's) is shared and knows no policy. A 
 with `id`, `last_access_time` and `hit_count` (T-LRU also reads depths); what a policy knows of
 workflows comes from a `WorkflowLedger`, kept outside the nodes, keyed by node id.
 
-Policies (design.md section 5):
+Policies (docs/simulator.md; PBKV, arXiv 2605.06472):
     lru        last access time                                     (SGLang's default)
     lfu        (hit count, last access)                             (SGLang's)
     tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)

@@ -1,7 +1,7 @@
 """The workflow metadata a request carries to the PBKV plugin: one wire format, written by the
 benchmark client (and any orchestrator) and read inside the SGLang scheduler.
 
-Two carriers, both of which leave the radix tree's prefix sharing intact (design.md section 7;
+Two carriers, both of which leave the radix tree's prefix sharing intact (docs/serving.md;
 `extra_key` / `cache_salt` would namespace the tree and must never carry a workflow id):
 
     sampling_params.custom_params = {"pbkv": {"workflow_id": "w1", "agent": "coder", "step": 3,

@@ -26,7 +26,7 @@ from serving_integration.experiments.presentation import ROW_LABELS, SETTING, ro
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
 
-# design.md section 5 (PBKV, arXiv 2605.06472): shape to compare against, not absolute values
+# The PBKV paper (arXiv 2605.06472): shape to compare against, not absolute values
 PAPER = {
     "hit_vs_lru": "up to 2.55x (dynamic workloads)",
     "latency_vs_lru": "up to 1.85x (dynamic workloads)",

@@ -1,7 +1,7 @@
 """Import SGLang 0.5.23's cache modules beside the CPU build of torch 2.13.0.
 
 `sglang.srt.configs` imports torchvision at module level (for multimodal models), and PyPI's
-torchvision does not load beside the CPU torch 2.13.0 this project pins (design.md section 9).
+torchvision does not load beside the CPU torch 2.13.0 this project pins (docs/install.md).
 The choice made here: an import guard rather than a 5.5 GB CUDA torch 2.14.1 + torchvision
 0.29.1 stack. When torchvision cannot be imported, `install_torchvision_guard()` registers a
 placeholder package: importing it and reading attributes works, calling anything from it raises
