@@ -47,6 +47,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,129 +71,187 @@ PREDICTIVE = ("pbkv", "pbkv_perfect")
 POLICIES = (*EVICTION_POLICIES, "pbkv_perfect")
 
 
-def trained_checkpoint(cfg: DictConfig, dataset_path: Path) -> Path:
-    """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
-    recipe = {"family": cfg.predictor.train, "data": str(Path(dataset_path).resolve()), "seed": cfg.seed,
-              "horizon": cfg.pbkv.horizon}
-    overrides = list(cfg.predictor.get("train_overrides") or [])
-    if overrides:
-        recipe["overrides"] = overrides
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    run = Path(cfg.predictor.cache_dir).resolve() / f"{cfg.predictor.train}-{key}"
-    if not (run / "predictor.pt").is_file():
-        # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
-        tmp = temporary_sibling_dir(run)
-        log.info("training %s on %s into %s", cfg.predictor.train, dataset_path, run)
-        try:
-            subprocess.run([sys.executable, str(REPO / "train.py"), f"model={cfg.predictor.train}",
-                            f"data.path={recipe['data']}", f"seed={cfg.seed}", f"horizon={cfg.pbkv.horizon}",
-                            "logger=csv", f"hydra.run.dir={tmp}", *overrides], cwd=REPO, check=True)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, subprocess.CalledProcessError):
-                raise ValueError(f"predictor.train={cfg.predictor.train}: train.py failed with exit status "
-                                 f"{e.returncode} (its output is above)") from None
-            raise
-        try:
-            tmp.rename(run)
-        except OSError:  # another job got there first; its checkpoint is the same recipe's
-            shutil.rmtree(tmp, ignore_errors=True)
-    return run / "predictor.pt"
+@dataclass(frozen=True)
+class PolicyKnobs:
+    """The policies' knobs (pbkv.*, kvflow.*, tlru.*), read from the config once."""
+
+    horizon: int
+    gamma: float
+    trust_modes: tuple[str, ...]  # pbkv.trust: one mode or several (evaluate compares adaptive with always)
+    trust_options: dict
+    kvflow: dict
+    tlru: dict
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "PolicyKnobs":
+        trust = cfg.pbkv.trust
+        return cls(horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma,
+                   trust_modes=(trust,) if isinstance(trust, str) else tuple(trust),
+                   trust_options={k: cfg.pbkv[k] for k in TRUST_OPTIONS}, kvflow=dict(cfg.kvflow), tlru=dict(cfg.tlru))
 
 
-def learned_source(cfg: DictConfig, train_sequences: list[list[str]], agents: list[str],
-                   dataset_path: Path | None = None):
-    """The predictor behind `pbkv`: predictor.checkpoint, else one train.py trains for
-    predictor.train=FAMILY, else a first-order Markov predictor fitted on the train split."""
-    from models import load_predictor
-    from models.markov import MarkovPredictor
+@dataclass(frozen=True)
+class PredictorSpec:
+    """What drives pbkv's predictions (predictor.*): a checkpoint, a family train.py trains, or
+    Markov fitted here; with online backoff and noise wrapped around it per run."""
 
-    checkpoint = cfg.predictor.checkpoint
-    if not checkpoint and cfg.predictor.train:
-        checkpoint = trained_checkpoint(cfg, dataset_path)
-    if checkpoint:
-        # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
-        predictor = load_predictor(checkpoint, agents=agents, max_unknown=cfg.predictor.max_unknown)
-        return ModelSource(predictor), {"checkpoint": str(checkpoint), "family": predictor.family,
-                                        "test_metrics": checkpoint_metrics(checkpoint)}
-    names = vocabulary(a for seq in train_sequences for a in seq)
-    index = {a: i for i, a in enumerate(names)}
-    predictor = MarkovPredictor.from_sequences(names, cfg.pbkv.horizon, [[index[a] for a in s] for s in train_sequences],
-                                               order=1)
-    return ModelSource(predictor), {"checkpoint": None, "family": "markov",
-                                    "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
+    checkpoint: str | None
+    train: str | None
+    cache_dir: str
+    max_unknown: float
+    train_overrides: tuple[str, ...]
+    noise: float
+    noise_kind: str
+    online: bool
+    online_beta: float
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "PredictorSpec":
+        p = cfg.predictor
+        return cls(checkpoint=p.checkpoint, train=p.train, cache_dir=p.cache_dir, max_unknown=p.max_unknown,
+                   train_overrides=tuple(p.get("train_overrides") or ()), noise=p.noise,
+                   noise_kind=p.get("noise_kind", "uniform"), online=bool(p.get("online", False)),
+                   online_beta=p.get("online_beta", 1.0))
+
+    def trained_checkpoint(self, dataset_path: Path, seed: int, horizon: int) -> Path:
+        """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
+        recipe = {"family": self.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
+        if self.train_overrides:
+            recipe["overrides"] = list(self.train_overrides)
+        key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+        run = Path(self.cache_dir).resolve() / f"{self.train}-{key}"
+        if not (run / "predictor.pt").is_file():
+            # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
+            tmp = temporary_sibling_dir(run)
+            log.info("training %s on %s into %s", self.train, dataset_path, run)
+            try:
+                subprocess.run([sys.executable, str(REPO / "train.py"), f"model={self.train}",
+                                f"data.path={recipe['data']}", f"seed={seed}", f"horizon={horizon}",
+                                "logger=csv", f"hydra.run.dir={tmp}", *self.train_overrides], cwd=REPO, check=True)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, subprocess.CalledProcessError):
+                    raise ValueError(f"predictor.train={self.train}: train.py failed with exit status "
+                                     f"{e.returncode} (its output is above)") from None
+                raise
+            try:
+                tmp.rename(run)
+            except OSError:  # another job got there first; its checkpoint is the same recipe's
+                shutil.rmtree(tmp, ignore_errors=True)
+        return run / "predictor.pt"
+
+    def learned_source(self, replay: "Replay", seed: int, horizon: int):
+        """(source, info) behind `pbkv`: the checkpoint, else one train.py trains for train=FAMILY,
+        else a first-order Markov predictor fitted on the train split."""
+        from models import load_predictor, read_checkpoint
+        from models.markov import MarkovPredictor
+
+        checkpoint = self.checkpoint
+        if not checkpoint and self.train:
+            checkpoint = self.trained_checkpoint(replay.dataset_path, seed, horizon)
+        if checkpoint:
+            # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
+            predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=self.max_unknown)
+            info = {"checkpoint": str(checkpoint), "family": predictor.family,
+                    "test_metrics": dict(read_checkpoint(checkpoint).get("metrics", {}))}
+        else:
+            sequences = replay.train_sequences
+            names = vocabulary(a for seq in sequences for a in seq)
+            index = {a: i for i, a in enumerate(names)}
+            predictor = MarkovPredictor.from_sequences(names, horizon, [[index[a] for a in s] for s in sequences],
+                                                       order=1)
+            info = {"checkpoint": None, "family": "markov",
+                    "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
+        return ModelSource(predictor), {**info, "online_backoff": self.online}
+
+    def for_run(self, source, seed: int, learned: bool):
+        """A fresh wrapper per run: online backoff (it learns from the run's own workflows) around the
+        learned predictor, then noise."""
+        if learned and self.online:
+            source = OnlineBackoff(source, self.online_beta)
+        return NoisySource(source, self.noise, seed, kind=self.noise_kind)
 
 
-def checkpoint_metrics(path: str) -> dict:
-    from models import read_checkpoint
+@dataclass(frozen=True)
+class Replay:
+    """What one replay needs from a dataset, built once: the workflows of the replayed split, the
+    train split (the predictor's and KVFlow's), the agents' names and KVFlow's step graph."""
 
-    return dict(read_checkpoint(path).get("metrics", {}))
+    workload: str
+    split: str
+    workflows: list
+    train: list
+    train_sequences: list
+    agent_names: list
+    step_graph: AgentStepGraph
+    dataset_path: Path | None
+
+    @classmethod
+    def from_dataset(cls, ds, split: str, n_workflows: int | None, horizon: int) -> "Replay":
+        workflows = workflows_from_rows(ds.rows(None if split == "all" else split))[: n_workflows or None]
+        if not workflows:
+            raise ValueError(f"split '{split}' of {ds.workload} has no workflows")
+        train = workflows_from_rows(ds.rows("train"))
+        sequences = [[c.agent for c in w.calls] for w in train]
+        names = vocabulary([a for s in sequences for a in s] + [c.agent for w in workflows for c in w.calls])
+        return cls(workload=ds.workload, split=split, workflows=workflows, train=train, train_sequences=sequences,
+                   agent_names=names, step_graph=AgentStepGraph.for_dataset(ds.meta, sequences, horizon, names),
+                   dataset_path=ds.path)
 
 
 KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
 TRUST_OPTIONS = ("trust_threshold", "trust_margin", "trust_window")
 
 
-def trust_modes(cfg: DictConfig) -> list[str]:
-    """pbkv.trust: one mode or a list of them (evaluate compares adaptive with always)."""
-    modes = cfg.pbkv.trust
-    return [modes] if isinstance(modes, str) else list(modes)
-
-
-def online(cfg: DictConfig, source):
-    """predictor.online: a fresh OnlineBackoff per run (it learns from the run's own workflows)."""
-    return OnlineBackoff(source, cfg.predictor.online_beta) if cfg.predictor.get("online", False) else source
-
-
-def noisy_source(cfg: DictConfig, source):
-    return NoisySource(source, cfg.predictor.noise, cfg.seed, kind=cfg.predictor.get("noise_kind", "uniform"))
-
-
-def policy_runs(cfg: DictConfig, train_sequences, agent_names, learned, step_graph=None):
+def policy_runs(policies, prefetch_modes, knobs: PolicyKnobs, replay: Replay, learned, spec: PredictorSpec,
+                seed: int):
     """(policy, prefetch mode, what drives its predictions, simulate() keyword arguments) for each
-    requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source,
-    `step_graph` kvflow's AgentStepGraph."""
-    unknown = sorted(set(cfg.policies) - set(POLICIES))
+    requested policy and prefetch mode; `learned` is pbkv's (source, info) from spec.learned_source."""
+    unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    for name in cfg.policies:
+    perfect = PerfectSource(replay.agent_names, knobs.horizon)
+    for name in policies:
         if name == "kvflow":
-            graph = step_graph or AgentStepGraph.from_traces(train_sequences, cfg.pbkv.horizon)
             for mode in KVFLOW_PREFETCH:
-                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=dict(cfg.kvflow), prefetch=mode,
-                                                     predictions=graph)
+                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=knobs.kvflow, prefetch=mode,
+                                                     predictions=replay.step_graph)
         elif name in PREDICTIVE:
-            source, label = ((learned[0], learned[1]["family"]) if name == "pbkv"
-                             else (PerfectSource(agent_names, cfg.pbkv.horizon), "perfect"))
+            source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound
-            for trust in (trust_modes(cfg) if name == "pbkv" else ["always"]):
-                options = {"trust": trust, **{k: cfg.pbkv[k] for k in TRUST_OPTIONS}}
-                for mode in cfg.prefetch:
-                    noisy = noisy_source(cfg, online(cfg, source) if name == "pbkv" else source)
+            for trust in (knobs.trust_modes if name == "pbkv" else ("always",)):
+                options = {"trust": trust, **knobs.trust_options}
+                for mode in prefetch_modes:
                     yield name, mode, label, dict(policy="pbkv", policy_options=options, prefetch=mode,
-                                                  predictions=noisy, gamma=cfg.pbkv.gamma, trust=trust)
+                                                  predictions=spec.for_run(source, seed, learned=name == "pbkv"),
+                                                  gamma=knobs.gamma, trust=trust)
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
-            for mode in cfg.prefetch:
-                yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=cfg.pbkv.gamma,
-                                                  predictions=PerfectSource(agent_names, cfg.pbkv.horizon))
+            for mode in prefetch_modes:
+                yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=knobs.gamma,
+                                                  predictions=perfect)
         else:
-            options = dict(cfg.tlru) if name == "tlru" else {}
-            yield name, "none", "none", dict(policy=name, policy_options=options)
+            yield name, "none", "none", dict(policy=name, policy_options=knobs.tlru if name == "tlru" else {})
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run every requested policy (and the KV-pruning rows) on one workload, once per seed of
-    `seeds` (or once with `seed`); write summary.json."""
+    `seeds` (or once with `seed`); write summary.json. The config is read here, once: what the
+    runs need is handed down as objects."""
+    knobs, spec, cost = PolicyKnobs.from_config(cfg), PredictorSpec.from_config(cfg), instantiate(cfg.cost_model)
+
+    def replay_seed(ds, seed: int):
+        replay = Replay.from_dataset(ds, cfg.split, cfg.sim.n_workflows, knobs.horizon)
+        sim = sim_config(cfg.sim, replay.train, seed)
+        return evaluate_seed(replay, sim, cost, knobs, spec, cfg.policies, cfg.prefetch, cfg.kv, seed)
+
     seeds = list(cfg.get("seeds") or [])
     if not seeds:
-        rows, info = evaluate_seed(cfg, store.resolve(cfg.data))
+        rows, info = replay_seed(store.resolve(cfg.data), cfg.seed)
         summary = {"rows": rows, **info}
     else:
         seed_rows, info = [], {}
         for seed in seeds:
-            seeded = cfg.copy()
-            seeded.seed = seed
-            rows, info[seed] = evaluate_seed(seeded, store.resolve_seeded(cfg.data, seed))
+            rows, info[seed] = replay_seed(store.resolve_seeded(cfg.data, seed), seed)
             seed_rows += rows
         summary = {"rows": aggregate_seeds(seed_rows), "seed_rows": seed_rows,
                    "predictor": {s: i["predictor"] for s, i in info.items()},
@@ -203,57 +262,50 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     return summary
 
 
-def sim_config(cfg: DictConfig, train_workflows) -> SimConfig:
-    """SimConfig from cfg.sim; null end-signal settings come from the train split's tool times."""
-    options = {k: v for k, v in OmegaConf.to_container(cfg.sim, resolve=True).items() if k != "n_workflows"}
+def sim_config(sim: DictConfig, train_workflows, seed: int) -> SimConfig:
+    """SimConfig from the `sim` group; null end-signal settings come from the train split's tool times."""
+    options = {k: v for k, v in OmegaConf.to_container(sim, resolve=True).items() if k != "n_workflows"}
     tool_times = [c.tool_time for w in train_workflows for c in w.calls[1:] if c.tool_time > 0]
     if options.get("end_signal_delay_s") is None:
         options["end_signal_delay_s"] = float(np.median(tool_times)) if tool_times else 0.0
     if options.get("inactivity_timeout_s") is None:
         options["inactivity_timeout_s"] = 2 * max(tool_times) if tool_times and max(tool_times) > 0 else 60.0
-    return SimConfig(**options, seed=cfg.seed)
+    return SimConfig(**options, seed=seed)
 
 
-def evaluate_seed(cfg: DictConfig, ds) -> tuple[list[dict], dict]:
-    """The rows of one replay of the configured split of dataset `ds`, with seed cfg.seed."""
-    workflows = workflows_from_rows(ds.rows(None if cfg.split == "all" else cfg.split))[: cfg.sim.n_workflows or None]
-    if not workflows:
-        raise ValueError(f"split '{cfg.split}' of {ds.workload} has no workflows")
-    train = workflows_from_rows(ds.rows("train"))
-    train_sequences = [[c.agent for c in w.calls] for w in train]
-    agent_names = vocabulary([a for s in train_sequences for a in s] + [c.agent for w in workflows for c in w.calls])
-    setting = Setting(sim_config(cfg, train), instantiate(cfg.cost_model), workload=ds.workload,
-                      horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma, seed=cfg.seed, split=cfg.split)
-    routes_by_prediction = cfg.sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
-    learned = (learned_source(cfg, train_sequences, agent_names[1:], ds.path)
-               if "pbkv" in cfg.policies or routes_by_prediction else None)
-    graph = AgentStepGraph.for_dataset(ds.meta, train_sequences, cfg.pbkv.horizon, agent_names)
+def evaluate_seed(replay: Replay, sim: SimConfig, cost, knobs: PolicyKnobs, spec: PredictorSpec, policies,
+                  prefetch_modes, kv, seed: int) -> tuple[list[dict], dict]:
+    """The rows of one replay under every requested policy (and the KV-pruning rows)."""
+    setting = Setting(sim, cost, workload=replay.workload, horizon=knobs.horizon, gamma=knobs.gamma, seed=seed,
+                      split=replay.split)
+    routes_by_prediction = sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
+    learned = (spec.learned_source(replay, seed, knobs.horizon)
+               if "pbkv" in policies or routes_by_prediction else None)
     rows = []
-    if learned:
-        learned[1]["online_backoff"] = bool(cfg.predictor.get("online", False))
-    for name, mode, label, kwargs in policy_runs(cfg, train_sequences, agent_names, learned, graph):
+    for name, mode, label, kwargs in policy_runs(policies, prefetch_modes, knobs, replay, learned, spec, seed):
         if routes_by_prediction and kwargs.get("predictions") is None:
             kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
-        noise = cfg.predictor.noise if name in PREDICTIVE else 0.0
-        fields = {"noise": noise, "predictor": label, "trust": kwargs.pop("trust", "none")}
+        fields = {"noise": spec.noise if name in PREDICTIVE else 0.0, "predictor": label,
+                  "trust": kwargs.pop("trust", "none")}
         if name in PREDICTIVE:
-            fields["noise_kind"] = cfg.predictor.get("noise_kind", "uniform")
-        rows.append(setting.run(workflows, name, mode, kwargs, **fields))
+            fields["noise_kind"] = spec.noise_kind
+        rows.append(setting.run(replay.workflows, name, mode, kwargs, **fields))
         log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
-    if cfg.kv.budget:
+    if kv.budget:
         from models.intentkv.replay import prune_workflows  # torch scoring, only needed here
 
-        for layout in ("none", *cfg.kv.layouts):
-            replayed = workflows if layout == "none" else prune_workflows(
-                workflows, cfg.kv.method, cfg.kv.budget, layout, cfg.kv.chunk_tokens, cfg.kv.lam)
-            rows.append(setting.run(replayed, cfg.kv.policy, "none", {"policy": cfg.kv.policy}, comparison="kv",
-                                    layout=layout, kv_method="none" if layout == "none" else cfg.kv.method,
-                                    kv_budget=None if layout == "none" else cfg.kv.budget))
+        for layout in ("none", *kv.layouts):
+            replayed = replay.workflows if layout == "none" else prune_workflows(
+                replay.workflows, kv.method, kv.budget, layout, kv.chunk_tokens, kv.lam)
+            rows.append(setting.run(replayed, kv.policy, "none", {"policy": kv.policy}, comparison="kv",
+                                    layout=layout, kv_method="none" if layout == "none" else kv.method,
+                                    kv_budget=None if layout == "none" else kv.budget))
     add_gap_closed(rows)
+    graph = replay.step_graph
     info = {"predictor": learned[1] if learned else {},
             "kvflow_graph": {"origin": graph.origin, **graph.graph},
-            "end_signal": {"delay_s": setting.sim.end_signal_delay_s, "loss": setting.sim.end_signal_loss,
-                           "inactivity_timeout_s": setting.sim.inactivity_timeout_s}}
+            "end_signal": {"delay_s": sim.end_signal_delay_s, "loss": sim.end_signal_loss,
+                           "inactivity_timeout_s": sim.inactivity_timeout_s}}
     return rows, info
 
 
