@@ -21,16 +21,16 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from data import store
+from data import CONF_DIR
 from models import WorkflowPrefix, load_predictor
 from models.datamodule import workflows_of
 from models.training import build_predictor
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 FAMILIES = ("markov", "graphsage", "rgcn", "intent_residual")
 
 
 def train_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 

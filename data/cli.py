@@ -5,19 +5,17 @@ stderr; data.errors.run_reported gives the exit status)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Callable
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from data import store
+from data import CONF_DIR, store  # noqa: F401  (CONF_DIR: the configs the CLIs compose)
 from data.config_checks import SCHEMAS, validate
 from data.errors import run_reported
 from data.schema import Traces
 from data.stats import format_stats
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def compose_config(name: str, argv: list[str]) -> DictConfig:

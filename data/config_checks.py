@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Mapping, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from data import CONF_DIR
 from data.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 Positive = Annotated[int, Field(gt=0, strict=True)]
 Count = Annotated[int, Field(ge=1, strict=True)]

@@ -7,7 +7,6 @@ through the same validation, test, metrics.json and checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import warnings

@@ -98,7 +98,7 @@ def test_filesystem_errors_are_one_line_naming_the_output(tmp_path, monkeypatch)
 
     write_json(tmp_path / "x.json", {"v": 1})
     with pytest.raises(OutputError, match=f"^cannot write {tmp_path}/x.json: no space left on device$"):
-        with atomic_file(tmp_path / "x.json") as tmp:
+        with atomic_file(tmp_path / "x.json"):
             raise OSError(errno.ENOSPC, "No space left on device")
 
     def read_only(*args, **kwargs):

@@ -5,7 +5,6 @@ import json
 import stat
 
 import pytest
-from omegaconf import OmegaConf
 
 import evaluate as evaluate_py
 from data.atomic import MARKER, process_umask

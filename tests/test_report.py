@@ -1,7 +1,6 @@
 """The report command on real evaluate.py output, and the experiment configs."""
 
 import json
-import re
 import subprocess
 import sys
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+from data import CONF_DIR
+
 FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s")
 START = {"mfu": 0.3, "bandwidth_efficiency": 0.5, "pcie_efficiency": 0.5, "step_overhead_s": 0.01}
 BOUNDS = {"mfu": (1e-4, 1.0), "bandwidth_efficiency": (1e-4, 1.0), "pcie_efficiency": (1e-4, 1.0),
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost, report = fit(calls, base)
-    out = Path(args.out or REPO / "conf" / "cost_model" / f"{args.name}.yaml")
+    out = Path(args.out or CONF_DIR / "cost_model" / f"{args.name}.yaml")
     with atomic_file(out) as tmp:
         tmp.write_text(preset_yaml(cost, Path(args.calls).name, report))
     print(f"fitted on {report['calls']} calls: " + ", ".join(f"{k}={getattr(cost, k):.4g}" for k in FITTED))

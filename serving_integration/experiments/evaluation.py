@@ -54,7 +54,7 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from data import store
+from data import REPO, store
 from data.atomic import temporary_sibling_dir, write_json
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
@@ -64,7 +64,6 @@ from serving_integration.experiments.presentation import add_gap_closed, aggrega
 from serving_integration.simulator.engine import SimConfig, simulate
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]  # the repository root (train.py)
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
 # every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents

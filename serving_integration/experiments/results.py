@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
+from data import REPO
 from data.atomic import atomic_file, write_json
 
-REPO = Path(__file__).resolve().parents[2]
 KINDS = ("data", "train", "evaluate")
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from data import CONF_DIR
 from serving_integration.cache.policies import PLUGIN_POLICIES
 
 SGLANG_CHUNKED_PREFILL = 4096  # SGLang 0.5.23's chunked_prefill_size on a CPU (its startup log)
@@ -79,7 +80,7 @@ def cpu_cost_model():
     import yaml
     from hydra.utils import instantiate
 
-    path = Path(__file__).resolve().parents[2] / "conf" / "cost_model" / f"{CPU_COST_MODEL}.yaml"
+    path = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml"
     return instantiate(yaml.safe_load(path.read_text()))
 
 

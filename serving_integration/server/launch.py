@@ -35,10 +35,10 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from data import REPO
 from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES
 
 PLUGIN_GROUP = "sglang.srt.plugins"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SUPPORT = Path(__file__).resolve().parent / "cpu_support"
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-cuda-graph", "--dtype", "float32", "--sleep-on-idle", "--hicache-io-backend", "direct",
@@ -97,7 +97,7 @@ def policy_config(args: argparse.Namespace) -> dict:
 
 
 def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    model_path = args.model_path or str(Path(args.tiny_model_dir or REPO_ROOT / ".cache/pbkv/models/tiny-llama").resolve())
+    model_path = args.model_path or str(Path(args.tiny_model_dir or REPO / ".cache/pbkv/models/tiny-llama").resolve())
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
            "--host", args.host, "--port", str(args.port),
            "--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio),
@@ -118,7 +118,7 @@ def server_env(args: argparse.Namespace, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     if args.cpu:
         env.update(CPU_ENV)
-        paths = [str(CPU_SUPPORT), str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [str(CPU_SUPPORT), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.pop("PYTHONPYCACHEPREFIX", None)  # sglang's imports cost 3x CPU with it
     return env
@@ -210,11 +210,11 @@ class LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
-            [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "serving_integration.server.launch",
                                           *self.launch_args], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
         try:
             self._wait_healthy()
         except BaseException:
