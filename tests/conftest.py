@@ -27,3 +27,18 @@ def hover_small():
     from data.generators import Hover
 
     return Hover().generate(40, seed=3)
+
+
+def assert_bad_setting(base, schema, key, value, message):
+    """Setting `key` to `value` in a valid composed config fails its checks with exactly `message`."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from data.config_checks import validate
+    from data.errors import ConfigError
+
+    cfg = base.copy()
+    OmegaConf.update(cfg, key, value, merge=False)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, schema)
+    assert str(e.value) == message

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 import evaluate as evaluate_py
 from data.cli import compose_config
 from data.config_checks import evaluate_schema, validate
-from data.errors import ConfigError, run_reported
-from tests.conftest import REPO
+from data.errors import run_reported
+from tests.conftest import REPO, assert_bad_setting
 
 CASES = [
     ("kv.budget", -1, "kv.budget=-1: Input should be greater than or equal to 1"),
@@ -73,11 +73,7 @@ def base():
 
 @pytest.mark.parametrize("key, value, message", CASES, ids=[f"{k}={v}" for k, v, _ in CASES])
 def test_bad_setting_is_one_line_naming_it(base, key, value, message):
-    cfg = base.copy()
-    OmegaConf.update(cfg, key, value, merge=False)
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, evaluate_schema())
-    assert str(e.value) == message
+    assert_bad_setting(base, evaluate_schema(), key, value, message)
 
 
 def test_known_names_come_from_the_code(base):

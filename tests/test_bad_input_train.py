@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 import train as train_py
 from data.cli import compose_config
 from data.config_checks import train_schema, validate
-from data.errors import ConfigError, run_reported
+from data.errors import run_reported
 from models.checkpoint import CheckpointError, load_predictor, read_checkpoint
-from tests.conftest import REPO
+from tests.conftest import REPO, assert_bad_setting
 
 CASES = [
     ("horizon", 0, "horizon=0: Input should be greater than or equal to 1"),
@@ -42,11 +42,7 @@ def base():
 
 @pytest.mark.parametrize("key, value, message", CASES, ids=[f"{k}={v}" for k, v, _ in CASES])
 def test_bad_setting_is_one_line_naming_it(base, key, value, message):
-    cfg = base.copy()
-    OmegaConf.update(cfg, key, value, merge=False)
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, train_schema())
-    assert str(e.value) == message
+    assert_bad_setting(base, train_schema(), key, value, message)
 
 
 def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
