@@ -20,7 +20,7 @@ def tree(root):
 def runs(tmp_path_factory):
     """A folder of two evaluate.py runs (run in this process) and an unrelated file beside them."""
     root = tmp_path_factory.mktemp("runs")
-    for i, gpu in enumerate((20000, 60000)):
+    for i, gpu in enumerate((40000, 80000)):
         cfg = compose_config("evaluate", [f"data.cache_dir={root.parent / 'cache'}", "data.source.n_workflows=12",
                                           "split=all", "policies=[lru,pbkv_lae]", "wandb.enabled=false",
                                           f"sim.gpu_tokens={gpu}", "sim.concurrency=4"])

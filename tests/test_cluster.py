@@ -193,7 +193,7 @@ def test_evaluate_runs_a_cluster(tmp_path, tmp_path_factory):
     from tests.test_evaluate import evaluate
 
     summary, stdout = evaluate(tmp_path / "run", "sim.replicas=2", "sim.routing=pbkv", "policies=[lru,pbkv]",
-                               "prefetch=[none]", cache=tmp_path_factory.mktemp("data-cache"))
+                               "pbkv.trust=adaptive", "prefetch=[none]", cache=tmp_path_factory.mktemp("data-cache"))
     rows = summary["rows"]
     assert [(r["policy"], r["replicas"], r["routing"]) for r in rows] == [("lru", 2, "pbkv"), ("pbkv", 2, "pbkv")]
     for r in rows:

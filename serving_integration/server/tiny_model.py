@@ -42,7 +42,7 @@ def build(out: str | Path = DEFAULT_DIR, seed: int = 0, force: bool = False) -> 
                          tie_word_embeddings=False, torch_dtype="float32", **SPEC)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "serving_integration.server.tiny_model") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"seed": seed, **SPEC, "vocab_size": len(tokenizer)}, indent=2))
