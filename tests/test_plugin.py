@@ -443,7 +443,7 @@ def test_launch_cpu_adds_the_cpu_flags_environment_and_support_path(tmp_path):
     assert server.model_path == str((tmp_path / "tiny").resolve())
     env = launch.server_env(args, {"PYTHONPATH": "/elsewhere", "PYTHONPYCACHEPREFIX": "/tmp/x"})
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.CPU_SUPPORT), str(launch.REPO_ROOT), "/elsewhere"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.CPU_SUPPORT), str(launch.REPO), "/elsewhere"]
     assert "PYTHONPYCACHEPREFIX" not in env
     assert launch.server_env(launch.parse_args(["--model-path", "m"])[0], {"A": "1"}) == {"A": "1"}  # GPU: as is
     with pytest.raises(SystemExit):
