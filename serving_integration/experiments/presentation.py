@@ -111,7 +111,7 @@ def row_label(r: dict) -> str:
     return name
 
 
-TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
+TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("trust", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
                  ("reuse_rate", "{:.1%}"), ("recompute_rate", "{:.1%}"), ("bound_hit_rate", "{:.1%}"),
                  ("gap_closed", "{:.2f}"), ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
                  ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
