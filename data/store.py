@@ -48,10 +48,13 @@ class TraceDataset:
 
     @property
     def workload(self) -> str:
-        """The workload's own name: meta.json's (generated data), else the one name the calls carry
-        (imported data), else the dataset folder's name."""
+        """The workload's own name: meta.json's (generated data), else the trace set's importer
+        (who_and_when, tau_bench), else the one name the calls carry (chat or native logs), else
+        the dataset folder's name."""
         if self.meta.get("workload"):
             return self.meta["workload"]
+        if self.meta.get("format") not in (None, "chat", "native", "generated"):
+            return self.meta["format"]
         names = {n for split in SPLITS for n in self.calls[split].unique("workload") if n}
         if len(names) == 1:
             return names.pop()

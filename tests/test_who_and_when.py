@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 
+from data import store
 from data.errors import TraceValidationError
 from data.who_and_when import read_who_and_when
 from tests.conftest import WHO_AND_WHEN
@@ -21,6 +22,7 @@ def test_all_184_runs_become_workflows(traces):
         per_subset[wid.rsplit("-", 1)[0]] += 1
     assert per_subset == {"who_and_when-ag2": 126, "who_and_when-magentic": 58}
     assert traces.n_workflows == 184
+    assert store.build(traces).workload == "who_and_when"  # evaluate's rows are labelled so, whatever the split
 
 
 def test_tool_and_human_turns_are_context_not_calls(traces):

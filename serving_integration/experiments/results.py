@@ -87,7 +87,8 @@ def evaluate_section(step: dict, runs: Path, record: dict, out: Path) -> str:
     report = build([shown(runs / "evaluate" / step["name"])], folder)
     md = report.read_text().split("\n", 1)[1]  # drop the report's own title
     md = md.replace("](", f"](results/{step['name']}/").replace("\n## ", "\n#### ").replace("\n### ", "\n##### ")
-    (folder / "report.html").unlink(missing_ok=True)  # the page links the plots; the HTML copy stays in runs/
+    for copy in ("report.html", "report.md"):  # the page inlines the report and links its plots
+        (folder / copy).unlink(missing_ok=True)
     return "\n\n".join([f"### {step['title']}", step.get("about", ""), commands([step], record), md])
 
 
@@ -122,6 +123,11 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
     if by_kind["evaluate"]:
         sections.append("## Cache policies in the simulator")
         sections += [evaluate_section(step, runs, record, out) for step in by_kind["evaluate"]]
+    if (out.parent / "results" / "validate_sim.md").is_file():
+        sections.append("## The simulator against a real SGLang server\n\nNot a step of this plan (it needs a "
+                        "quiet machine for about 10 minutes): the record of one run of `python -m "
+                        "serving_integration.experiments.validate_sim`, with its command, is "
+                        "[results/validate_sim.md](results/validate_sim.md).")
     with atomic_file(out) as tmp:
         tmp.write_text("\n\n".join(s for s in sections if s) + "\n")
     return out
