@@ -42,3 +42,23 @@ def assert_bad_setting(base, schema, key, value, message):
     with pytest.raises(ConfigError) as e:
         validate(cfg, schema)
     assert str(e.value) == message
+
+
+def refused_over_its_dataset(entry, work: str, base, tmp_path, capsys, monkeypatch):
+    """An entry point (`entry.run`) refuses a run folder that is, or holds, its dataset (`data.path`):
+    exit status 1 naming the input, and `entry.<work>` never called. Returns the config used."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from data.errors import run_reported
+
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    (dataset / "meta.json").write_text("{}")
+    monkeypatch.setattr(entry, work, lambda *a: pytest.fail(f"{work} ran into its input"))
+    cfg = base.copy()
+    OmegaConf.update(cfg, "data.path", str(dataset), merge=False)
+    for run_dir in (dataset, tmp_path):
+        assert run_reported(entry.run, cfg, run_dir) == 1
+        assert "input" in capsys.readouterr().err
+    return cfg

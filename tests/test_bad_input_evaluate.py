@@ -10,7 +10,7 @@ import evaluate as evaluate_py
 from data.cli import compose_config
 from data.config_checks import evaluate_schema, validate
 from data.errors import run_reported
-from tests.conftest import REPO, assert_bad_setting
+from tests.conftest import REPO, assert_bad_setting, refused_over_its_dataset
 
 CASES = [
     ("kv.budget", -1, "kv.budget=-1: Input should be greater than or equal to 1"),
@@ -97,15 +97,7 @@ def test_run_checks_before_any_work_and_writes_nothing(base, tmp_path, capsys, m
 
 
 def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
-    dataset = tmp_path / "ds"
-    dataset.mkdir()
-    (dataset / "meta.json").write_text("{}")
-    monkeypatch.setattr(evaluate_py, "evaluate", lambda *a: pytest.fail("evaluated into its input"))
-    cfg = base.copy()
-    OmegaConf.update(cfg, "data.path", str(dataset), merge=False)
-    for run_dir in (dataset, tmp_path):
-        assert run_reported(evaluate_py.run, cfg, run_dir) == 1
-        assert "input" in capsys.readouterr().err
+    refused_over_its_dataset(evaluate_py, "evaluate", base, tmp_path, capsys, monkeypatch)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ds", "meta.json"]
 
 

@@ -13,7 +13,7 @@ from data.cli import compose_config
 from data.config_checks import train_schema, validate
 from data.errors import run_reported
 from models.checkpoint import CheckpointError, load_predictor, read_checkpoint
-from tests.conftest import REPO, assert_bad_setting
+from tests.conftest import REPO, assert_bad_setting, refused_over_its_dataset
 
 CASES = [
     ("horizon", 0, "horizon=0: Input should be greater than or equal to 1"),
@@ -46,15 +46,7 @@ def test_bad_setting_is_one_line_naming_it(base, key, value, message):
 
 
 def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
-    dataset = tmp_path / "ds"
-    dataset.mkdir()
-    (dataset / "meta.json").write_text("{}")
-    monkeypatch.setattr(train_py, "train", lambda *a: pytest.fail("trained into its input"))
-    cfg = base.copy()
-    OmegaConf.update(cfg, "data.path", str(dataset), merge=False)
-    for run_dir in (dataset, tmp_path):
-        assert run_reported(train_py.run, cfg, run_dir) == 1
-        assert "input" in capsys.readouterr().err
+    cfg = refused_over_its_dataset(train_py, "train", base, tmp_path, capsys, monkeypatch)
     OmegaConf.update(cfg, "horizon", 0, merge=False)
     assert run_reported(train_py.run, cfg, tmp_path / "run") == 2
     assert capsys.readouterr().err == "error: horizon=0: Input should be greater than or equal to 1\n"
