@@ -151,7 +151,7 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
     from serving_integration.cache.policies import PBKV, POLICIES as EVICTION_POLICIES, Prefetch
     from serving_integration.cache.predictions import NoisySource
     from serving_integration.experiments.evaluation import POLICIES
-    from serving_integration.simulator.router import ROUTERS
+    from serving_integration.cache.router import ROUTERS
 
     class Top(Group):
         seed: Seed

@@ -1,4 +1,4 @@
-"""The simulated cluster: replicas behind a router model (serving_integration/simulator/router.py)."""
+"""The simulated cluster: replicas behind a router model (serving_integration.cache.router.py)."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,7 @@ from serving_integration.cache.predictions import PerfectSource, vocabulary
 from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys, workflows_from_rows
 from serving_integration.simulator.engine import SimConfig, Simulator, simulate
 from serving_integration.simulator.radix import RadixTree, audit
-from serving_integration.simulator.router import CacheAware, PBKVRouting, make_router
+from serving_integration.cache.router import CacheAware, PBKVRouting, make_router
 from tests.test_simulator import H100
 
 ROUTINGS = ("round_robin", "cache_aware", "sticky", "pbkv")

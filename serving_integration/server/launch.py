@@ -182,41 +182,27 @@ if __name__ == "__main__":
 # -------------------------------------------------------------------- a server owned by a program
 
 
-class LocalServer:
-    """`launch` in a subprocess of its own process group, for programs and tests that need a live
-    server: `with LocalServer(["--cpu", "--policy", "lru"]) as server: server.url ...`.
+class LocalProcess:
+    """A command in a subprocess of its own process group, owned by a program: `start()` it, then
+    `wait_healthy()` for `url + health_path` (at most `health_timeout_s`; the log tail is in the error
+    if it dies or times out); `stop()` terminates the whole process group, then kills it after
+    `stop_timeout_s`. As a context manager: start, wait, and stop on leaving."""
 
-    Entering waits for `/health` (at most `health_timeout_s`; the server's log tail is in the error
-    if it dies or times out); leaving terminates the whole process group (the launcher's PID is the
-    server's, as it execs; sglang's scheduler and detokenizer processes share the group), then kills
-    it after `stop_timeout_s`."""
+    health_path = "/health"
 
-    def __init__(self, launch_args: list[str], port: int | None = None, log_path: str | Path | None = None,
+    def __init__(self, cmd: list[str], url: str, log_path: str | Path | None = None,
                  health_timeout_s: float = 240.0, stop_timeout_s: float = 20.0, env: dict | None = None):
-        self.port = port or free_port()
-        self.launch_args = [*launch_args, "--port", str(self.port)]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd, self.url = cmd, url
         self.log_path = Path(log_path) if log_path else None
         self.health_timeout_s, self.stop_timeout_s, self.env = health_timeout_s, stop_timeout_s, env
         self.proc = None
         self.ready_s = math.nan
+        self._started = math.nan
 
-    def __enter__(self) -> "LocalServer":
-        import subprocess
-        import tempfile
-
-        if self.log_path is None:
-            self.log_path = Path(tempfile.mkdtemp(prefix="pbkv-server-")) / "server.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
-            [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "serving_integration.server.launch",
-                                          *self.launch_args], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
+    def __enter__(self):
+        self.start()
         try:
-            self._wait_healthy()
+            self.wait_healthy()
         except BaseException:
             self.stop()
             raise
@@ -225,31 +211,47 @@ class LocalServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def start(self) -> None:
+        import subprocess
+        import tempfile
+        import time
+
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="pbkv-server-")) / "server.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+            [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        self._started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=REPO, env=env, start_new_session=True)
+
     def log_tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
         except OSError:
             return ""
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         import time
         import urllib.error
         import urllib.request
 
-        started = time.monotonic()
-        while time.monotonic() - started < self.health_timeout_s:
+        name = type(self).__name__
+        while time.monotonic() - self._started < self.health_timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was healthy; "
+                raise RuntimeError(f"{name} {self.url} exited with {self.proc.returncode} before it was healthy; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                with urllib.request.urlopen(f"{self.url}{self.health_path}", timeout=5) as resp:
                     if resp.status == 200:
-                        self.ready_s = time.monotonic() - started
+                        self.ready_s = time.monotonic() - self._started
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(2.0)
-        raise TimeoutError(f"the server was not healthy within {self.health_timeout_s:.0f} s; "
+        raise TimeoutError(f"{name} {self.url} was not healthy within {self.health_timeout_s:.0f} s; "
                            f"log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self) -> None:
@@ -269,6 +271,19 @@ class LocalServer:
                 continue
             if not _group_alive(self.proc.pid):
                 break
+
+
+class LocalServer(LocalProcess):
+    """`launch` as a LocalProcess, for programs and tests that need a live server:
+    `with LocalServer(["--cpu", "--policy", "lru"]) as server: server.url ...`. The launcher's PID
+    is the server's (it execs); sglang's scheduler and detokenizer processes share its group."""
+
+    def __init__(self, launch_args: list[str], port: int | None = None, log_path: str | Path | None = None,
+                 health_timeout_s: float = 240.0, stop_timeout_s: float = 20.0, env: dict | None = None):
+        self.port = port or free_port()
+        self.launch_args = [*launch_args, "--port", str(self.port)]
+        super().__init__([sys.executable, "-m", "serving_integration.server.launch", *self.launch_args],
+                         f"http://127.0.0.1:{self.port}", log_path, health_timeout_s, stop_timeout_s, env)
 
 
 def _group_alive(pgid: int) -> bool:

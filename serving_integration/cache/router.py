@@ -38,9 +38,75 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from serving_integration.cache.workload import prefix_keys
+
 
 def least_loaded(servers: Sequence) -> int:
     return min(range(len(servers)), key=lambda i: (servers[i].load, i))
+
+
+class PromptRecord:
+    """The prompt prefixes routed to one worker (prefix key -> its unit's tokens, least recently
+    routed first), cut back to `max_tokens` least recent first by `evict`: sglang-router's
+    approximate tree (cache_aware), and all a client knows of a real replica's cache (ClientReplica)."""
+
+    def __init__(self, max_tokens: float = float("inf")):
+        self.keys: OrderedDict = OrderedDict()
+        self.size, self.max_tokens = 0, max_tokens
+
+    def matched_units(self, keys: Sequence) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def matched_tokens(self, keys: Sequence, lens: Sequence[int]) -> int:
+        return sum(lens[: self.matched_units(keys)])
+
+    def insert(self, keys: Sequence, lens: Sequence[int]) -> None:
+        for key, tokens in zip(reversed(keys), reversed(lens)):  # the root end most recent
+            if key in self.keys:
+                self.keys.move_to_end(key)
+            else:
+                self.keys[key] = tokens
+                self.size += tokens
+
+    def evict(self) -> None:
+        while self.size > self.max_tokens and self.keys:
+            self.size -= self.keys.popitem(last=False)[1]
+
+
+class ClientReplica:
+    """A real replica as a client routing to it sees it (the bench's pbkv routing): `load`, its
+    requests the client has in flight; `tree.peek`, the longest prefix of a prompt that the client
+    sent there (PromptRecord, cut back to the replica's device + host capacity, least recent first);
+    no ledger values (the predictions live in the replica's scheduler), so `PBKVRouting` scores a
+    replica by that prefix alone, under the same load bound."""
+
+    class _Tree:
+        def __init__(self, record: PromptRecord):
+            self.record, self.by_id = record, {}
+
+        def peek(self, units: Sequence) -> tuple[int, int]:
+            n = self.record.matched_units(prefix_keys(units))
+            return n, n
+
+    class _Ledger:
+        nodes_of: dict = {}
+        users: dict = {}
+        reuse_value: dict = {}
+
+    def __init__(self, capacity_tokens: float = float("inf")):
+        self.load = 0
+        self.record = PromptRecord(capacity_tokens)
+        self.tree, self.ledger = self._Tree(self.record), self._Ledger()
+
+    def sent(self, call) -> None:
+        """A call's prompt was sent here."""
+        self.record.insert(call.keys, call.lens)
+        self.record.evict()
 
 
 class Router:
@@ -105,9 +171,7 @@ class CacheAware(Router):
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.eviction_interval_s = eviction_interval_s
         self.max_tree_tokens = max_tree_size / chars_per_token
-        # per worker: prefix key -> its unit's tokens, least recently routed first
-        self.trees: list[OrderedDict] = [OrderedDict() for _ in range(replicas)]
-        self.sizes = [0] * replicas
+        self.trees = [PromptRecord(self.max_tree_tokens) for _ in range(replicas)]
         self.next_eviction = eviction_interval_s
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -115,12 +179,7 @@ class CacheAware(Router):
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
     def matched(self, worker: int, call) -> int:
-        tree, n = self.trees[worker], 0
-        for key, tokens in zip(call.keys, call.lens):
-            if key not in tree:
-                break
-            n += tokens
-        return n
+        return self.trees[worker].matched_tokens(call.keys, call.lens)
 
     def choose(self, wf, call, servers, now):
         if self.eviction_interval_s > 0 and now >= self.next_eviction:
@@ -138,18 +197,11 @@ class CacheAware(Router):
         return i
 
     def insert(self, worker: int, call) -> None:
-        tree = self.trees[worker]
-        for key, tokens in zip(reversed(call.keys), reversed(call.lens)):  # the root end most recent
-            if key in tree:
-                tree.move_to_end(key)
-            else:
-                tree[key] = tokens
-                self.sizes[worker] += tokens
+        self.trees[worker].insert(call.keys, call.lens)
 
     def evict(self) -> None:
-        for w, tree in enumerate(self.trees):
-            while self.sizes[w] > self.max_tree_tokens and tree:
-                self.sizes[w] -= tree.popitem(last=False)[1]
+        for tree in self.trees:
+            tree.evict()
 
 
 class Sticky(Router):
