@@ -1,4 +1,4 @@
-"""The simulated cluster: replicas behind a router model (serving_integration.cache.router.py)."""
+"""The simulated cluster: replicas behind a router model (serving_integration/cache/router.py)."""
 
 from types import SimpleNamespace
 

@@ -1,7 +1,7 @@
 """The workflow metadata a request carries to the PBKV plugin: one wire format, written by the
 benchmark client (and any orchestrator) and read inside the SGLang scheduler.
 
-Two carriers, both of which leave the radix tree's prefix sharing intact (docs/serving.md;
+Three carriers, all of which leave the radix tree's prefix sharing intact (docs/serving.md;
 `extra_key` / `cache_salt` would namespace the tree and must never carry a workflow id):
 
     sampling_params.custom_params = {"pbkv": {"workflow_id": "w1", "agent": "coder", "step": 3,
@@ -10,8 +10,13 @@ Two carriers, both of which leave the radix tree's prefix sharing intact (docs/s
                 "actions": [{"action_id": "pbkv", "action_type": "pbkv.workflow",
                              "action_version": "1", "payload": {... same fields ...}}]}
 
+    rid = "pbkv1." + urlsafe base64 (unpadded) of the payload's JSON + "." + anything unique
+
 `custom_params` works from any client; `kv_hints` is SGLang's orchestrator envelope (it reaches
-`Req.kv_hints`, which mem_cache ignores in 0.5.23). When both are present the kv_hints action wins.
+`Req.kv_hints`, which mem_cache ignores in 0.5.23); the request id is for requests that pass
+through sglang-router 0.3.2, which rebuilds a /generate body from its own typed request and drops
+`custom_params` and `kv_hints` but keeps `rid` (docs/cluster.md). The kv_hints action wins over
+custom_params, which wins over the request id.
 `workflow_end: true` retires the workflow's cache when the request finishes. A real orchestrator
 knows a workflow is over only after its last call returned, so the benchmark client sends the end
 as its own tiny request after the last call (`end_signal: true`, with `workflow_end: true`): the
@@ -21,12 +26,16 @@ plugin retires the workflow and records nothing else of that request (it is no a
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from dataclasses import dataclass
 from typing import Any
 
 CUSTOM_PARAMS_KEY = "pbkv"
 HINT_ACTION_TYPE = "pbkv.workflow"
 HINT_ACTION_VERSION = "1"
+RID_PREFIX = "pbkv1."
 MAX_ID_CHARS = 256  # longer ids are rejected as bad metadata rather than stored
 MAX_TASK_CHARS = 4096
 
@@ -71,6 +80,12 @@ def kv_hints_for(tag: WorkflowTag, message_id: str) -> dict:
                          "action_version": HINT_ACTION_VERSION, "payload": tag.as_payload()}]}
 
 
+def rid_for(tag: WorkflowTag, unique: str) -> str:
+    """A request id that carries the tag (through sglang-router); `unique` keeps ids apart."""
+    data = base64.urlsafe_b64encode(json.dumps(tag.as_payload(), separators=(",", ":")).encode()).decode()
+    return f"{RID_PREFIX}{data.rstrip('=')}.{unique}"
+
+
 # -------------------------------------------------------------------- server side
 
 
@@ -113,15 +128,28 @@ def _hint_payload(kv_hints: Any) -> Any:
     return None
 
 
+def _rid_payload(rid: Any) -> Any:
+    """The payload a request id carries (rid_for), None for any other id."""
+    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+        return None
+    data = rid[len(RID_PREFIX):].split(".", 1)[0]
+    try:
+        return json.loads(base64.urlsafe_b64decode(data + "=" * (-len(data) % 4)))
+    except (ValueError, binascii.Error) as e:
+        raise BadTag(f"the request id's workflow tag does not decode ({type(e).__name__})") from None
+
+
 def tag_of_request(req: Any) -> WorkflowTag | None:
     """The request's workflow tag; None when it carries none; BadTag when it is malformed.
 
-    `req` is SGLang's scheduler-side `Req` (reads `kv_hints` and `sampling_params.custom_params`)."""
+    `req` is SGLang's scheduler-side `Req` (reads `kv_hints`, `sampling_params.custom_params`, `rid`)."""
     payload = _hint_payload(getattr(req, "kv_hints", None))
     if payload is None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
         if isinstance(params, dict):
             payload = params.get(CUSTOM_PARAMS_KEY)
+    if payload is None:
+        payload = _rid_payload(getattr(req, "rid", None))
     if payload is None:
         return None
     return tag_from_payload(payload)

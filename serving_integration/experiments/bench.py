@@ -42,7 +42,8 @@ import numpy as np
 
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.experiments.presentation import make_row
-from serving_integration.cache.workflow_tags import WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for
+from serving_integration.cache.workflow_tags import (WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for,
+                                                     rid_for)
 
 CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
 
@@ -135,6 +136,7 @@ class CallResult:
     segments: list = field(default_factory=list)  # [(segment id, tokens sent)]
     output_ids: list = field(default_factory=list)
     output_text: str = ""  # the server's detokenized output (empty with --skip-tokenizer-init)
+    replica: int = -1  # the replica the client routed the call to (pbkv routing); -1: the router chose
 
 
 # -------------------------------------------------------------------- the client
@@ -164,6 +166,8 @@ def tagged_body(tag: WorkflowTag, input_ids: list[int], sampling: dict, metadata
         sampling["custom_params"] = custom_params_for(tag)
     elif metadata == "kv_hints":
         body["kv_hints"] = kv_hints_for(tag, rid)
+    elif metadata == "rid":  # the tag in the request id: what passes through sglang-router (docs/cluster.md)
+        body["rid"] = rid_for(tag, rid)
     return body
 
 
@@ -192,12 +196,12 @@ def take_output(result: CallResult, chunk: dict) -> None:
         result.output_text += text
 
 
-async def generate(session, url: str, body: dict, result: CallResult, clock) -> None:
+async def generate(session, url: str, body: dict, result: CallResult, clock, headers: dict | None = None) -> None:
     import aiohttp
 
     sent = clock()
     try:
-        async with session.post(f"{url}/generate", json=body) as resp:
+        async with session.post(f"{url}/generate", json=body, headers=headers) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -236,14 +240,36 @@ def _take_chunk(result: CallResult, chunk: dict) -> None:
 
 
 class ClosedLoopReplay:
-    """C workers, each replaying whole workflows one call after another."""
+    """C workers, each replaying whole workflows one call after another.
+
+    Behind a router (serving_integration/server/cluster.py, docs/cluster.md) `routing` says what a
+    call carries: `sticky` the workflow id as the routing key; `pbkv` the target worker chosen here
+    by the PBKV router class (serving_integration/cache/router.py, the simulator's) over the
+    replicas as this client sees them (ClientReplica), `worker_index[i]` being the router's index
+    of replica i; other routings nothing (the router decides). A workflow's end signal goes where
+    its calls went: under pbkv routing one to every replica the workflow visited (as the
+    simulator retires a workflow on every replica)."""
 
     def __init__(self, url: str, workflows: list[list[ReplayCall]], concurrency: int, tokens: SegmentTokens,
                  metadata: str = "custom_params", stream: bool = True, tool_time_scale: float = 1.0,
-                 request_timeout_s: float = 600.0, progress: bool = True, end_signal: str = "request"):
+                 request_timeout_s: float = 600.0, progress: bool = True, end_signal: str = "request",
+                 routing: str = "none", replicas: int = 1, worker_index: list[int] | None = None,
+                 replica_capacity_tokens: float = math.inf, router_options: dict | None = None):
+        from serving_integration.cache.router import ROUTERS, ClientReplica, make_router
+
         if end_signal not in END_SIGNALS:
             raise ValueError(f"end_signal must be one of {', '.join(END_SIGNALS)}; got {end_signal!r}")
-        self.end_signal, self.end_signals_failed = end_signal, 0
+        if routing not in ROUTERS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTERS)}; got {routing!r}")
+        self.routing, self.router, self.views = routing, None, []
+        if routing == "pbkv":
+            self.router = make_router("pbkv", replicas, **(router_options or {}))
+            self.views = [ClientReplica(replica_capacity_tokens) for _ in range(replicas)]
+            self.worker_index = list(worker_index) if worker_index is not None else list(range(replicas))
+            if sorted(self.worker_index) != list(range(replicas)):
+                raise ValueError(f"worker_index must order the {replicas} replicas; got {self.worker_index}")
+        self.end_signal, self.end_signals_failed, self.end_signals_sent = end_signal, 0, 0
+        self.visited: dict[str, dict[int, None]] = {}  # pbkv routing: workflow -> replicas its calls went to
         self.url, self.workflows, self.concurrency = url.rstrip("/"), workflows, concurrency
         self.tokens, self.metadata, self.stream = tokens, metadata, stream
         self.tool_time_scale, self.request_timeout_s, self.progress = tool_time_scale, request_timeout_s, progress
@@ -297,22 +323,54 @@ class ClosedLoopReplay:
     async def _send_end(self, session, last: ReplayCall) -> None:
         import aiohttp
 
-        body = end_signal_body(last, self.tokens.low, self.metadata, f"{last.workflow_id}/end/{time.time_ns()}")
-        try:
-            async with session.post(f"{self.url}/generate", json=body) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
-        self.end_signals_failed += not ok
+        from serving_integration.server.cluster import routing_headers
+
+        if self.router is not None:
+            self.router.forget(last.workflow_id)
+            targets = [routing_headers("pbkv", last.workflow_id, self.worker_index[i])
+                       for i in self.visited.pop(last.workflow_id, {})]
+        else:
+            targets = [routing_headers(self.routing, last.workflow_id)]
+        for headers in targets:
+            body = end_signal_body(last, self.tokens.low, self.metadata, f"{last.workflow_id}/end/{time.time_ns()}")
+            try:
+                async with session.post(f"{self.url}/generate", json=body, headers=headers) as resp:
+                    await resp.read()
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            self.end_signals_sent += 1
+            self.end_signals_failed += not ok
+
+    def _route(self, call: ReplayCall, segments: list) -> tuple[dict, int, object]:
+        """The call's routing headers, the replica chosen here (-1: none) and the call as the router saw it."""
+        from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys
+        from serving_integration.server.cluster import routing_headers
+
+        if self.router is None:
+            return routing_headers(self.routing, call.workflow_id), -1, None
+        units = tuple(s for s, _ in segments)
+        routed = SimCall(call.agent, units, tuple(n for _, n in segments), prefix_keys(units), call.output_id,
+                         call.output_tokens, call.tool_time, None)
+        i = self.router.route(SimWorkflow(call.workflow_id, 0, call.task, []), routed, self.views, self._clock())
+        self.views[i].load += 1
+        self.visited.setdefault(call.workflow_id, {})[i] = None
+        return routing_headers("pbkv", call.workflow_id, self.worker_index[i]), i, routed
 
     async def _call(self, session, call: ReplayCall) -> CallResult:
         input_ids, segments = self.tokens.prompt(call)
         rid = f"{call.workflow_id}/{call.step}/{time.time_ns()}"
         result = CallResult(call.workflow_id, call.step, call.agent, segments=segments, start_s=self._clock())
-        await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid,
-                                                       end_on_last_call=self.end_signal == "last-call"),
-                       result, self._clock)
+        headers, result.replica, routed = self._route(call, segments)
+        try:
+            await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid,
+                                                           end_on_last_call=self.end_signal == "last-call"),
+                           result, self._clock, headers)
+        finally:
+            if result.replica >= 0:
+                self.views[result.replica].load -= 1
+        if result.replica >= 0 and result.ok:
+            self.views[result.replica].sent(routed)
         result.end_s = self._clock()
         if result.ok and call.output_tokens > 0:
             self.tokens.generated[call.output_id] = list(result.output_ids)
@@ -384,6 +442,39 @@ def labels_for(args, info: dict, workload: str) -> dict:
             "seed": args.seed}
 
 
+def replica_counters(worker_urls: list[str]) -> list[dict]:
+    """Each replica's request and token counters (its Prometheus /metrics, server/cluster.py)."""
+    from serving_integration.server.cluster import server_metrics
+
+    return [server_metrics(url) for url in worker_urls]
+
+
+def replica_stats(before: list[dict], after: list[dict], infos: list[dict]) -> list[dict]:
+    """Per replica, what a replay added to its counters (requests, which count end signals too;
+    prompt tokens; cached tokens by tier; its device hit rate) and its plugin's counters."""
+    out = []
+    for b, a, info in zip(before, after, infos):
+        delta = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
+        prompt = delta.get("prompt_tokens", 0.0)
+        out.append({"requests": int(delta.get("requests", 0)), "prompt_tokens": int(prompt),
+                    "device_tokens": int(delta.get("cached_tokens_device", 0)),
+                    "host_tokens": int(delta.get("cached_tokens_host", 0)),
+                    "hit_rate": delta.get("cached_tokens_device", 0.0) / prompt if prompt else 0.0,
+                    "plugin_counters": plugin_state(info).get("counters", {}),
+                    "live_workflows": plugin_state(info).get("live_workflows")})
+    return out
+
+
+def served_by(infos: list[dict]) -> dict[tuple[str, int], int]:
+    """(workflow id, step) -> the replica whose PBKV plugin recorded the call (its recent tags);
+    empty for replicas without the plugin (SGLang's own policies)."""
+    out = {}
+    for i, info in enumerate(infos):
+        for tag in plugin_state(info).get("recent_tags") or []:
+            out[(tag["workflow_id"], int(tag["step"]))] = i
+    return out
+
+
 def plugin_metrics(info: dict) -> dict:
     plugin = plugin_state(info)
     return {"prefetch_precision": plugin.get("prefetch_precision"), "plugin_counters": plugin.get("counters", {})}
@@ -444,7 +535,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-workflows", type=int, default=0, help="replay only the first N workflows (0: all)")
     p.add_argument("--concurrency", type=int, default=8, help="live workflows (closed loop)")
     p.add_argument("--tool-time-scale", type=float, default=1.0, help="multiply the traces' tool times")
-    p.add_argument("--metadata", choices=("custom_params", "kv_hints", "none"), default="custom_params")
+    p.add_argument("--metadata", choices=("custom_params", "kv_hints", "rid", "none"), default=None,
+                   help="where the workflow tag travels (default: rid with --worker-urls, as sglang-router drops "
+                        "custom_params and kv_hints; else custom_params)")
     p.add_argument("--no-stream", action="store_true", help="plain responses (no TTFT)")
     p.add_argument("--end-signal", choices=END_SIGNALS, default="request",
                    help="request: a tiny end-of-workflow request after the last call returned; last-call: flag "
@@ -461,6 +554,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-format", choices=("native", "chat"), default="native",
                    help="native keeps segment ids and the token counts sent; chat re-counts message text")
     p.add_argument("--seed", type=int, default=0, help="recorded in the row (the replay is deterministic)")
+    p.add_argument("--routing", default="none", choices=("none", "round_robin", "cache_aware", "sticky", "pbkv"),
+                   help="behind sglang-router (server/cluster.py): sticky sends the workflow id as the routing "
+                        "key, pbkv the target worker chosen by the PBKV router; the others send nothing")
+    p.add_argument("--worker-urls", nargs="*", default=[],
+                   help="the replicas behind --url (their order is the replica index): per-replica counters, "
+                        "and pbkv routing's worker indices (one probe request each)")
+    p.add_argument("--router-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="pbkv routing: an option of the PBKV router class (load_factor, load_slack)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -497,14 +598,37 @@ def run(args: argparse.Namespace) -> int:
         from data.atomic import OutputError, describe
 
         raise OutputError(describe(e, out)) from None
+    workers = list(args.worker_urls)
+    metadata = args.metadata or ("rid" if workers else "custom_params")
+    if args.routing == "pbkv" and len(workers) < 2:
+        print("error: --routing pbkv needs --worker-urls (two or more replicas behind --url)", file=sys.stderr)
+        return 2
+    cluster: dict = {}
+    if workers:
+        from serving_integration.server.cluster import probe_worker_index
+
+        index = probe_worker_index(args.url, workers) if args.routing == "pbkv" else None
+        infos = [asyncio.run(server_info(u)) for u in workers]
+        capacity = min(gpu_token_capacity(i) for i in infos) * 3.0  # device + a 2x host pool
+        cluster = {"routing": args.routing, "replicas": len(workers), "worker_index": index,
+                   "replica_capacity_tokens": capacity or math.inf,
+                   "router_options": {k: float(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
+        before = replica_counters(workers)
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
-                              metadata=args.metadata, stream=not args.no_stream,
+                              metadata=metadata, stream=not args.no_stream,
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,
-                              progress=not args.no_progress, end_signal=args.end_signal)
+                              progress=not args.no_progress, end_signal=args.end_signal, **cluster)
     asyncio.run(replay.run())
     info = asyncio.run(server_info(args.url))
+    extra = plugin_metrics(info)
     workload = workflows[0][0].workload or Path(args.data).name
-    row = summarize(replay, labels_for(args, info, workload), plugin_metrics(info))
+    labels = labels_for(args, info, workload)
+    if workers:
+        infos = [asyncio.run(server_info(u)) for u in workers]
+        extra["replica_stats"] = replica_stats(before, replica_counters(workers), infos)
+        labels.update(replicas=len(workers), routing=args.routing,
+                      gpu_tokens=args.gpu_tokens or sum(gpu_token_capacity(i) for i in infos))
+    row = summarize(replay, labels, extra)
     from data.formats import write_jsonl_atomic
 
     write_jsonl_atomic(out / "calls.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}

@@ -37,42 +37,87 @@ CPU_COST_MODEL = "cpu-tiny-llama"
 
 def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 2.0, concurrency: int = 2,
              tool_time_scale: float = 0.1, checkpoint: str | None = None, log_dir: str | Path | None = None,
-             health_timeout_s: float = 240.0, extra_launch: list[str] | None = None) -> dict:
-    """Start `launch --cpu` with `policy`, replay `workflows` (bench.replay_workflows) with the bench
-    client, stop the server. Returns the bench row, the per-call results, the plugin's state
-    (from /server_info) and the server's start and replay times."""
+             health_timeout_s: float = 240.0, extra_launch: list[str] | None = None, replicas: int = 1,
+             routing: str = "none") -> dict:
+    """Start `launch --cpu` with `policy` (with replicas > 1: a LocalCluster of that many servers,
+    gpu_tokens split evenly, behind sglang-router with `routing`), replay `workflows`
+    (bench.replay_workflows) with the bench client, stop everything. Returns the bench row, the
+    per-call results, the plugin's state (from /server_info; the first replica's in a cluster) and
+    the start and replay times; in a cluster also per-replica stats and which replica served each
+    call (`served_by`, from the plugins' recent tags)."""
     from serving_integration.experiments import bench
+    from serving_integration.server.cluster import LocalCluster
     from serving_integration.server.launch import LocalServer
 
-    args = ["--cpu", "--policy", policy, "--max-total-tokens", str(gpu_tokens), "--hicache-ratio", str(hicache_ratio)]
+    args = ["--cpu", "--policy", policy, "--hicache-ratio", str(hicache_ratio)]
     if checkpoint and policy in PLUGIN_POLICIES:
         args += ["--checkpoint", str(checkpoint)]
     if policy in PLUGIN_POLICIES:  # a 2-core CPU is slow: let a predictor round finish (docs/serving.md)
         args += ["--policy-config", json.dumps({"predictor_timeout_s": 0})]
-    log_path = Path(log_dir) / f"server-{policy}.log" if log_dir else None
-    with LocalServer(args + (extra_launch or []), log_path=log_path, health_timeout_s=health_timeout_s) as server:
-        replay = bench.ClosedLoopReplay(server.url, workflows, concurrency, bench.SegmentTokens(),
-                                        tool_time_scale=tool_time_scale, progress=False)
-        began = time.monotonic()
-        asyncio.run(replay.run())
-        replay_s = time.monotonic() - began
-        info = asyncio.run(bench.server_info(server.url))
-        labels = {"workload": workflows[0][0].workload or "unknown", "policy": policy,
-                  "prefetch": bench.plugin_state(info).get("prefetch") or "none", "gpu_tokens": gpu_tokens,
-                  "concurrency": concurrency, "noise": 0.0, "cost_model": "sglang-cpu", "seed": 0}
-        row = bench.summarize(replay, labels, bench.plugin_metrics(info))
-        return {"row": row, "results": replay.results, "plugin": bench.plugin_state(info), "info": info,
-                "ready_s": server.ready_s, "replay_s": replay_s, "log": str(server.log_path)}
+    args += extra_launch or []
+    if replicas > 1:
+        log = Path(log_dir) / f"cluster-{routing}-{policy}" if log_dir else None
+        owner = LocalCluster(args, replicas, routing, gpu_tokens, log_dir=log, health_timeout_s=health_timeout_s)
+        workers, log_path = owner.worker_urls, owner.log_dir
+    else:
+        log_path = Path(log_dir) / f"server-{policy}.log" if log_dir else None
+        owner = LocalServer(args + ["--max-total-tokens", str(gpu_tokens)], log_path=log_path,
+                            health_timeout_s=health_timeout_s)
+        workers = []
+    with owner:
+        run = replay_and_collect(owner.url, workers, workflows, policy, gpu_tokens=gpu_tokens, concurrency=concurrency,
+                                 tool_time_scale=tool_time_scale, routing=routing,
+                                 worker_index=getattr(owner, "worker_index", None) or None,
+                                 replica_capacity_tokens=gpu_tokens // max(replicas, 1) * (1 + hicache_ratio))
+    return {**run, "ready_s": owner.ready_s, "log": str(log_path)}
+
+
+def replay_and_collect(url: str, workers: list[str], workflows, policy: str, *, gpu_tokens: int, concurrency: int,
+                       tool_time_scale: float, routing: str = "none", worker_index: list[int] | None = None,
+                       replica_capacity_tokens: float = float("inf")) -> dict:
+    """Replay `workflows` against a live server (`url`), or a router in front of `workers`, with the
+    bench client; the bench row, the per-call results and the plugin's state, and with workers the
+    per-replica stats (bench.replica_stats) and which replica's plugin recorded each call (served_by)."""
+    from serving_integration.experiments import bench
+
+    cluster = {}
+    if workers:
+        cluster = {"routing": routing, "replicas": len(workers), "worker_index": worker_index,
+                   "replica_capacity_tokens": replica_capacity_tokens}
+        before = bench.replica_counters(workers)
+    # behind sglang-router the workflow tag travels in the request id (it drops custom_params)
+    replay = bench.ClosedLoopReplay(url, workflows, concurrency, bench.SegmentTokens(),
+                                    metadata="rid" if workers else "custom_params",
+                                    tool_time_scale=tool_time_scale, progress=False, **cluster)
+    began = time.monotonic()
+    asyncio.run(replay.run())
+    replay_s = time.monotonic() - began
+    infos = [asyncio.run(bench.server_info(u)) for u in (workers or [url])]
+    labels = {"workload": workflows[0][0].workload or "unknown", "policy": policy,
+              "prefetch": bench.plugin_state(infos[0]).get("prefetch") or "none", "gpu_tokens": gpu_tokens,
+              "concurrency": concurrency, "noise": 0.0, "cost_model": "sglang-cpu", "seed": 0,
+              "replicas": max(len(workers), 1), "routing": routing if workers else "none"}
+    extra = bench.plugin_metrics(infos[0])
+    out = {"results": replay.results, "replay": replay, "plugin": bench.plugin_state(infos[0]), "info": infos[0],
+           "replay_s": replay_s}
+    if workers:
+        time.sleep(1.0)  # the servers count a request's tokens as it finishes
+        extra["replica_stats"] = out["replicas"] = bench.replica_stats(before, bench.replica_counters(workers), infos)
+        out["served_by"], out["worker_urls"] = bench.served_by(infos), workers
+    out["row"] = bench.summarize(replay, labels, extra)
+    return out
 
 
 # -------------------------------------------------------------------- the simulator
 
 
-def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_size: int = 1):
+def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_size: int = 1, replicas: int = 1,
+               routing: str = "none"):
     from serving_integration.simulator.engine import SimConfig
 
     return SimConfig(gpu_tokens=gpu_tokens, hicache_ratio=hicache_ratio, page_size=page_size,
-                     concurrency=concurrency, max_prefill_tokens=SGLANG_CHUNKED_PREFILL)
+                     concurrency=concurrency, max_prefill_tokens=SGLANG_CHUNKED_PREFILL, replicas=replicas,
+                     routing=routing if replicas > 1 else "none")
 
 
 def cpu_cost_model():
@@ -100,11 +145,14 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
         kwargs["gamma"] = gamma
         if policy == "pbkv" or kwargs["prefetch"] != "none":
             kwargs["predictions"] = ModelSource(predictor)
+    if config.routing == "pbkv" and "predictions" not in kwargs:  # the pbkv router reads the ledgers' values
+        kwargs["predictions"] = ModelSource(predictor)
     result = simulate(workflows, config, cost, bound=False, **kwargs)
     labels = {"workload": rows[0].get("workload") or "unknown", "policy": policy,
               "prefetch": kwargs.get("prefetch", "none"), "gpu_tokens": config.gpu_tokens,
               "concurrency": config.concurrency, "noise": 0.0, "cost_model": cost.name, "seed": 0,
-              "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows)}
+              "workflows": len(workflows), "calls": sum(len(w.calls) for w in workflows),
+              "replicas": config.replicas, "routing": config.routing}
     return make_row(labels, result)
 
 
@@ -185,6 +233,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--tool-time-scale", type=float, default=0.1)
     p.add_argument("--health-timeout", type=float, default=240.0)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="servers behind sglang-router (server/cluster.py); --gpu-tokens is their total")
+    p.add_argument("--routing", default="sticky",
+                   help="with --replicas > 1, comma-separated routings: round_robin, cache_aware, sticky, pbkv "
+                        "(each with each policy; the simulator's sim.routing of the same name)")
     p.add_argument("--out", required=True, help="summary.json, per-policy calls.jsonl and server logs")
     return p.parse_args(argv)
 
@@ -213,18 +266,32 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint or str(fitted_markov(ds.rows("train"), out / "markov" / "predictor.pt"))
     predictor = load_predictor(checkpoint)
-    config, cost = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency), cpu_cost_model()
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()] if args.replicas > 1 else ["none"]
+    bad = [r for r in routings if r not in ("round_robin", "cache_aware", "sticky", "pbkv", "none")]
+    if bad or not routings:
+        print(f"error: --routing takes round_robin, cache_aware, sticky, pbkv; not {bad}", file=sys.stderr)
+        return 2
+    cost = cpu_cost_model()
     real, sim = {}, {}
-    for policy in policies:
-        run = real_run(workflows, policy, gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
-                       concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
-                       log_dir=out, health_timeout_s=args.health_timeout)
-        real[policy] = run["row"]
-        write_jsonl_atomic(out / f"calls-{policy}.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
-                                                           for r in run["results"]))
-        sim[policy] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
-        print(f"{policy}: real device hits {real[policy]['hit_rate']:.1%} (server ready in {run['ready_s']:.0f} s, "
-              f"replay {run['replay_s']:.0f} s), simulated {sim[policy]['hit_rate']:.1%}", flush=True)
+    for routing in routings:
+        config = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency, replicas=args.replicas,
+                            routing=routing)
+        for policy in policies:
+            name = policy if args.replicas == 1 else f"{routing}+{policy}"
+            run = real_run(workflows, policy, gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
+                           concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
+                           log_dir=out, health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing)
+            real[name] = run["row"]
+            write_jsonl_atomic(out / f"calls-{name}.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
+                                                             for r in run["results"]))
+            sim[name] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
+            where = ""
+            if args.replicas > 1:
+                where = (f"; per replica real calls {[r['requests'] for r in run['replicas']]} (with end signals), "
+                         f"device hits {[round(r['hit_rate'], 3) for r in run['replicas']]}; simulated calls "
+                         f"{sim[name]['replica_calls']}, migrations {sim[name]['migrations']}")
+            print(f"{name}: real device hits {real[name]['hit_rate']:.1%} (ready in {run['ready_s']:.0f} s, "
+                  f"replay {run['replay_s']:.0f} s), simulated {sim[name]['hit_rate']:.1%}{where}", flush=True)
     table = compare(real, sim)
     write_json(out / "summary.json", {"real": list(real.values()), "sim": list(sim.values()), "comparison": table,
                                       "config": {**vars(args), "checkpoint": checkpoint}})

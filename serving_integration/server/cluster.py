@@ -115,17 +115,23 @@ class LocalCluster:
                                     log_path=self.log_dir / f"server-{i}.log", health_timeout_s=health_timeout_s)
                         for i in range(replicas)]
         self.worker_urls = [s.url for s in self.servers]
-        self.routers: dict[str, LocalRouter] = {}
-        for k, name in enumerate(routings):
-            router_port = (port if k == 0 else None) or free_port()
-            self.routers[name] = LocalRouter(
-                router_command(self.worker_urls, name, router_port, free_port(), router_args),
-                f"http://127.0.0.1:{router_port}", log_path=self.log_dir / f"router-{name}.log",
-                health_timeout_s=health_timeout_s)
-        self.urls = {name: r.url for name, r in self.routers.items()}
-        self.url = self.urls[self.routing]
+        self._routings, self._port, self._router_args = routings, port, router_args
+        self.health_timeout_s = health_timeout_s
+        self.routers: dict[str, LocalRouter] = {}  # made once the servers are up (their ports taken)
+        self.urls: dict[str, str] = {}
+        self.url = ""
         self.worker_index: list[int] = []
         self.ready_s = float("nan")
+
+    def _make_routers(self) -> None:
+        for k, name in enumerate(self._routings):
+            router_port = (self._port if k == 0 else None) or free_port()
+            self.routers[name] = LocalRouter(
+                router_command(self.worker_urls, name, router_port, free_port(), self._router_args),
+                f"http://127.0.0.1:{router_port}", log_path=self.log_dir / f"router-{name}.log",
+                health_timeout_s=self.health_timeout_s)
+        self.urls = {name: r.url for name, r in self.routers.items()}
+        self.url = self.urls[self.routing]
 
     def __enter__(self) -> "LocalCluster":
         try:
@@ -133,12 +139,13 @@ class LocalCluster:
                 server.start()
             for server in self.servers:
                 server.wait_healthy()
+            self._make_routers()  # free ports picked now: a starting server takes ports of its own
             for router in self.routers.values():
                 router.start()
             for router in self.routers.values():
                 router.wait_healthy()
             if "pbkv" in self.routers:
-                self.worker_index = self.probe_worker_index(self.urls["pbkv"])
+                self.worker_index = probe_worker_index(self.urls["pbkv"], self.worker_urls)
         except BaseException:
             self.stop()
             raise
@@ -152,21 +159,22 @@ class LocalCluster:
         for process in (*self.routers.values(), *self.servers):
             process.stop()
 
-    def probe_worker_index(self, router_url: str) -> list[int]:
-        """The router's index of each server: a one-token request per index, seen in one server's
-        request count (sglang:num_requests_total)."""
-        index = [-1] * len(self.servers)
-        for j in range(len(self.servers)):
-            before = [request_count(u) for u in self.worker_urls]
-            _post_json(f"{router_url}/generate", {"input_ids": [1000], "sampling_params": {"max_new_tokens": 1}},
-                       {TARGET_WORKER_HEADER: str(j)})
-            after = [request_count(u) for u in self.worker_urls]
-            moved = [i for i in range(len(self.servers)) if after[i] > before[i]]
-            if len(moved) != 1 or index[moved[0]] != -1:
-                raise RuntimeError(f"target-worker probe {j} reached servers {moved} (request counts "
-                                   f"{before} -> {after}); log {self.routers['pbkv'].log_path}")
-            index[moved[0]] = j
-        return index
+
+def probe_worker_index(router_url: str, worker_urls: list[str]) -> list[int]:
+    """The router's index of each server, as the target-worker header names it (pbkv routing): a
+    one-token request per index, seen in exactly one server's request count (sglang:num_requests_total)."""
+    index = [-1] * len(worker_urls)
+    for j in range(len(worker_urls)):
+        before = [request_count(u) for u in worker_urls]
+        _post_json(f"{router_url}/generate", {"input_ids": [1000], "sampling_params": {"max_new_tokens": 1}},
+                   {TARGET_WORKER_HEADER: str(j)})
+        after = [request_count(u) for u in worker_urls]
+        moved = [i for i in range(len(worker_urls)) if after[i] > before[i]]
+        if len(moved) != 1 or index[moved[0]] != -1:
+            raise RuntimeError(f"target-worker probe {j} through {router_url} reached servers {moved} "
+                               f"(request counts {before} -> {after}); is its policy consistent_hashing?")
+        index[moved[0]] = j
+    return index
 
 
 def _post_json(url: str, body: dict, headers: dict | None = None, timeout: float = 120.0) -> dict:

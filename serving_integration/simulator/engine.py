@@ -59,7 +59,7 @@ class SimConfig:
     predictor_cost_s: float = 0.0  # charged per batched predictor call
     charge_measured_predictor_time: bool = False  # charge the measured wall time instead (not reproducible)
     replicas: int = 1  # servers behind the router; gpu_tokens is their total, split evenly
-    routing: str = "none"  # the router's policy (serving_integration.cache.router.py)
+    routing: str = "none"  # the router's policy (serving_integration/cache/router.py)
     router: dict = field(default_factory=dict)  # routing policy name -> its options
     end_signal_delay_s: float = 0.0  # the end signal arrives this long after a workflow's last call
     end_signal_loss: float = 0.0  # share of end signals lost (seeded)
