@@ -201,3 +201,104 @@ def test_evaluate_runs_a_cluster(tmp_path, tmp_path_factory):
         assert sum(r["replica_calls"]) == r["calls"] and r["load_imbalance"] >= 1.0
         assert r["predictor"] == "markov"  # the pbkv router reads the learned predictor, whatever evicts
     assert "2 replicas (gpu_tokens in total), routing=pbkv" in stdout
+
+
+# -------------------------------------------------------------------- the real cluster's client side
+# (the servers themselves: tests/test_sglang_cluster.py)
+
+
+def test_client_replicas_route_with_the_pbkv_router_class():
+    """The bench's pbkv routing: PBKVRouting over ClientReplica views (what the client sent where)."""
+    from serving_integration.cache.router import ClientReplica
+
+    router, views = make_router("pbkv", 2), [ClientReplica(1000), ClientReplica(1000)]
+    wf, other = SimWorkflow("w", 0, "t", []), SimWorkflow("v", 1, "t", [])
+    views[1].sent(call_of(["sys", "w0"], [100, 50]))
+    assert views[1].tree.peek(("sys", "w0", "w1")) == (2, 2) and views[0].tree.peek(("sys",)) == (0, 0)
+    # the longest prefix the client sent: replica 1, though replica 0 is as loaded
+    assert router.route(wf, call_of(["sys", "w0", "w1"], [100, 50, 20]), views, 0.0) == 1
+    views[1].load = 3  # over the bound 1.25 x (3 + 1) / 2 + 1 = 3.5: the workflow migrates
+    assert router.route(wf, call_of(["sys", "w0", "w1", "w2"], [100, 50, 20, 10]), views, 0.0) == 0
+    assert router.migrations == 1
+    views[1].load = 0  # nothing cached anywhere for a new prefix: the least loaded, then the lowest index
+    views[0].load = 1
+    assert router.route(other, call_of(["x"], [10]), views, 0.0) == 1
+    # the record is cut back to the replica's capacity, least recently sent first
+    views[0].sent(call_of(["a"], [600]))
+    views[0].sent(call_of(["b"], [600]))
+    assert views[0].tree.peek(("a",)) == (0, 0) and views[0].tree.peek(("b",)) == (1, 1)
+
+
+def test_routing_headers_and_router_command():
+    from serving_integration.server.cluster import (ROUTING_KEY_HEADER, TARGET_WORKER_HEADER, router_command,
+                                                    router_parser, routing_headers)
+
+    assert routing_headers("sticky", "wf-1") == {ROUTING_KEY_HEADER: "wf-1"} == {"x-smg-routing-key": "wf-1"}
+    assert routing_headers("pbkv", "wf-1", 1) == {TARGET_WORKER_HEADER: "1"} == {"x-smg-target-worker": "1"}
+    assert routing_headers("round_robin", "wf-1") == routing_headers("cache_aware", "wf-1") == {}
+    with pytest.raises(ValueError, match="index"):
+        routing_headers("pbkv", "wf-1")
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for routing, policy in (("sticky", "manual"), ("pbkv", "consistent_hashing"), ("cache_aware", "cache_aware")):
+        cmd = router_command(urls, routing, 30000, 29000)
+        # sglang-router's own parser (consistent_hashing added) reads what the cluster passes
+        args = router_parser().parse_args(cmd[cmd.index("--host"):])
+        assert args.policy == policy and args.worker_urls == urls and args.port == 30000
+        assert args.assignment_mode == ("min_load" if routing == "sticky" else "random")
+    with pytest.raises(ValueError, match="unknown routing"):
+        router_command(urls, "none", 30000, 29000)
+
+
+def test_cluster_arguments_are_checked_before_anything_starts(tmp_path):
+    from serving_integration.server.cluster import LocalCluster
+
+    with pytest.raises(ValueError, match="cluster's total"):
+        LocalCluster(["--cpu", "--max-total-tokens", "100"], 2, "sticky", 4000, log_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown routing"):
+        LocalCluster(["--cpu"], 2, "least_loaded", 4000, log_dir=tmp_path)
+    cluster = LocalCluster(["--cpu"], 3, ["sticky", "pbkv"], 4000, log_dir=tmp_path)
+    assert cluster.tokens_per_replica == 1333 and len(cluster.worker_urls) == 3
+    assert all(s.launch_args[-4:-2] == ["--max-total-tokens", "1333"] for s in cluster.servers)
+
+
+def test_server_metrics_parse_sglang_counters():
+    from serving_integration.experiments.bench import replica_stats
+    from serving_integration.server.cluster import parse_metrics
+
+    text = "\n".join([
+        "# TYPE sglang:num_requests_total counter",
+        'sglang:num_requests_total{engine_type="unified",is_streaming="false"} 3.0',
+        'sglang:num_requests_total{engine_type="unified",is_streaming="true"} 7.0',
+        "# TYPE sglang:prompt_tokens_total counter",
+        'sglang:prompt_tokens_total{engine_type="unified",is_streaming="true"} 1000.0',
+        "# TYPE sglang:cached_tokens_total counter",
+        'sglang:cached_tokens_total{cache_source="device",engine_type="unified"} 300.0',
+        'sglang:cached_tokens_total{cache_source="host",engine_type="unified"} 200.0', ""])
+    after = parse_metrics(text)
+    assert after == {"requests": 10.0, "prompt_tokens": 1000.0, "cached_tokens_device": 300.0,
+                     "cached_tokens_host": 200.0}
+    before = {"requests": 2.0, "prompt_tokens": 200.0, "cached_tokens_device": 100.0}
+    stats = replica_stats([before], [after], [{}])
+    assert stats == [{"requests": 8, "prompt_tokens": 800, "device_tokens": 200, "host_tokens": 200,
+                      "hit_rate": 0.25, "plugin_counters": {}, "live_workflows": None}]
+
+
+def test_workflow_tag_travels_in_the_request_id():
+    """sglang-router drops custom_params and kv_hints; the request id carries the tag through it."""
+    from serving_integration.cache.workflow_tags import (BadTag, WorkflowTag, custom_params_for, end_signal_tag,
+                                                         rid_for, tag_of_request)
+
+    def req(rid, custom=None):
+        return SimpleNamespace(rid=rid, kv_hints=None, sampling_params=SimpleNamespace(custom_params=custom))
+
+    tag = WorkflowTag("wf-7", "verifier", 3, task="is the claim supported? ü")
+    for t in (tag, end_signal_tag("wf-7", "verifier")):
+        rid = rid_for(t, "wf-7/3/123")
+        assert rid.startswith("pbkv1.") and rid.endswith(".wf-7/3/123")
+        assert tag_of_request(req(rid)) == t
+    assert rid_for(tag, "a") != rid_for(tag, "b")
+    assert tag_of_request(req("wf-7/3/123")) is None  # a plain request id: no tag
+    other = WorkflowTag("other", "a", 0)
+    assert tag_of_request(req(rid_for(tag, "x"), custom_params_for(other))) == other  # custom_params first
+    with pytest.raises(BadTag):
+        tag_of_request(req("pbkv1.bm90IGpzb24.x"))  # "not json"

@@ -63,12 +63,20 @@ def run_router(argv: list[str] | None = None) -> None:
     from sglang_router.launch_router import launch_router
     from sglang_router.router_args import RouterArgs
 
+    args = router_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    launch_router(RouterArgs.from_cli_args(args))
+
+
+def router_parser() -> argparse.ArgumentParser:
+    """sglang-router's own argument parser (RouterArgs.add_cli_args), `consistent_hashing` added."""
+    from sglang_router.router_args import RouterArgs
+
     parser = argparse.ArgumentParser(prog="sglang-router")
     RouterArgs.add_cli_args(parser)
     for action in parser._actions:
         if action.dest == "policy" and "consistent_hashing" not in action.choices:
             action.choices = [*action.choices, "consistent_hashing"]
-    launch_router(RouterArgs.from_cli_args(parser.parse_args(sys.argv[1:] if argv is None else argv)))
+    return parser
 
 
 def router_command(worker_urls: list[str], routing: str, port: int, prometheus_port: int,
@@ -192,10 +200,14 @@ def server_metrics(url: str, timeout: float = 30.0) -> dict[str, float]:
     requests, prompt_tokens, and cached_tokens_<source> (device, host, ...) summed over labels."""
     import urllib.request
 
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        return parse_metrics(resp.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """server_metrics of a /metrics text (Prometheus exposition format, prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
     out = {"requests": 0.0, "prompt_tokens": 0.0}
     names = {"sglang:num_requests": "requests", "sglang:prompt_tokens": "prompt_tokens"}
     for family in text_string_to_metric_families(text):
