@@ -609,7 +609,8 @@ def run(args: argparse.Namespace) -> int:
 
         index = probe_worker_index(args.url, workers) if args.routing == "pbkv" else None
         infos = [asyncio.run(server_info(u)) for u in workers]
-        capacity = min(gpu_token_capacity(i) for i in infos) * 3.0  # device + a 2x host pool
+        # what a replica can hold: its device pool and a host pool of --hicache-ratio times that
+        capacity = min(gpu_token_capacity(i) * (1 + float(i.get("hicache_ratio") or 0)) for i in infos)
         cluster = {"routing": args.routing, "replicas": len(workers), "worker_index": index,
                    "replica_capacity_tokens": capacity or math.inf,
                    "router_options": {k: float(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
