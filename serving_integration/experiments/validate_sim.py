@@ -120,13 +120,21 @@ def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_siz
                      routing=routing if replicas > 1 else "none")
 
 
-def cpu_cost_model():
-    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
+def cpu_cost_model(speedup: float = 1.0):
+    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate); with speedup F, a
+    machine F times as fast (step overhead / F, mfu and bandwidth efficiency x F): the preset was
+    fitted on a loaded machine, and a replay's hit rates depend on how its calls overlap."""
+    import dataclasses
+
     import yaml
     from hydra.utils import instantiate
 
     path = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml"
-    return instantiate(yaml.safe_load(path.read_text()))
+    cost = instantiate(yaml.safe_load(path.read_text()))
+    if speedup != 1.0:
+        cost = dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup, mfu=cost.mfu * speedup,
+                                   bandwidth_efficiency=cost.bandwidth_efficiency * speedup)
+    return cost
 
 
 def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_time_scale: float = 0.1,
@@ -233,6 +241,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--tool-time-scale", type=float, default=0.1)
     p.add_argument("--health-timeout", type=float, default=240.0)
+    p.add_argument("--real-from", help="an earlier run's summary.json: compare its real rows (same data and "
+                                       "settings) with a new simulation instead of starting servers")
+    p.add_argument("--cost-speedup", type=float, default=1.0,
+                   help="simulate a machine this many times as fast as the cpu-tiny-llama preset's")
     p.add_argument("--replicas", type=int, default=1,
                    help="servers behind sglang-router (server/cluster.py); --gpu-tokens is their total")
     p.add_argument("--routing", default="sticky",
@@ -271,20 +283,32 @@ def main(argv=None) -> int:
     if bad or not routings:
         print(f"error: --routing takes round_robin, cache_aware, sticky, pbkv; not {bad}", file=sys.stderr)
         return 2
-    cost = cpu_cost_model()
+    cost = cpu_cost_model(args.cost_speedup)
     real, sim = {}, {}
+    earlier = None
+    if args.real_from:
+        earlier = {r["policy"] if args.replicas == 1 else f"{r['routing']}+{r['policy']}": r
+                   for r in json.loads(Path(args.real_from).read_text())["real"]}
     for routing in routings:
         config = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency, replicas=args.replicas,
                             routing=routing)
         for policy in policies:
             name = policy if args.replicas == 1 else f"{routing}+{policy}"
+            sim[name] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
+            if earlier is not None:  # --real-from: the real rows of an earlier run, re-simulated
+                if name not in earlier:
+                    print(f"error: {args.real_from} has no real row {name}", file=sys.stderr)
+                    return 2
+                real[name] = earlier[name]
+                print(f"{name}: real device hits {real[name]['hit_rate']:.1%} (from {args.real_from}), "
+                      f"simulated {sim[name]['hit_rate']:.1%}", flush=True)
+                continue
             run = real_run(workflows, policy, gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
                            concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
                            log_dir=out, health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing)
             real[name] = run["row"]
             write_jsonl_atomic(out / f"calls-{name}.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
                                                              for r in run["results"]))
-            sim[name] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
             where = ""
             if args.replicas > 1:
                 where = (f"; per replica real calls {[r['requests'] for r in run['replicas']]} (with end signals), "
