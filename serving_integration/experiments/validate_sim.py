@@ -104,6 +104,9 @@ def replay_and_collect(url: str, workers: list[str], workflows, policy: str, *, 
         time.sleep(1.0)  # the servers count a request's tokens as it finishes
         extra["replica_stats"] = out["replicas"] = bench.replica_stats(before, bench.replica_counters(workers), infos)
         out["served_by"], out["worker_urls"] = bench.served_by(infos), workers
+        for r in replay.results:  # where the router sent it, as the replica's plugin recorded it
+            if r.replica < 0:
+                r.replica = out["served_by"].get((r.workflow_id, r.step), -1)
     out["row"] = bench.summarize(replay, labels, extra)
     return out
 
