@@ -620,7 +620,8 @@ def run(args: argparse.Namespace) -> int:
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,
                               progress=not args.no_progress, end_signal=args.end_signal, **cluster)
     asyncio.run(replay.run())
-    info = asyncio.run(server_info(args.url))
+    # behind a router (which has no /server_info), the first replica speaks for the servers
+    info = asyncio.run(server_info(workers[0] if workers else args.url))
     extra = plugin_metrics(info)
     workload = workflows[0][0].workload or Path(args.data).name
     labels = labels_for(args, info, workload)

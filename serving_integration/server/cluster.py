@@ -249,10 +249,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main(argv: list[str] | None = None) -> int:
     args, launch = parse_args(argv)
 
-    def stop_on(signum, frame):  # SIGTERM like SIGINT: leave the with-block, which stops everything
+    def stop_on(signum, frame):  # leave the with-block, which stops everything
         raise KeyboardInterrupt
 
+    # both set here: a shell starting this in the background leaves SIGINT ignored
     signal.signal(signal.SIGTERM, stop_on)
+    signal.signal(signal.SIGINT, stop_on)
     cluster = LocalCluster(launch, args.replicas, args.routing, args.max_total_tokens, args.log_dir,
                            args.health_timeout, args.port, args.router_arg)
     try:
