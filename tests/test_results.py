@@ -15,7 +15,7 @@ def test_plan_runs_and_page_names_its_commands(tmp_path, monkeypatch):
         {"name": "hover", "kind": "data", "command": "-m data.generate workload=hover n_workflows=30 out=RUNS/data/hover"},
         {"name": "small", "kind": "evaluate", "title": "A small run", "about": "Two policies, two commands.",
          "command": ["evaluate.py debug=evaluate policies=[lru,pbkv_lae] hydra.run.dir=RUNS/evaluate/small/a",
-                     "evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=2000 hydra.run.dir=RUNS/evaluate/small/b"]},
+                     "evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=60000 hydra.run.dir=RUNS/evaluate/small/b"]},
     ]}))
     out = tmp_path / "docs" / "results.md"
     assert results.main(["--plan", str(plan), "--runs", str(tmp_path / "runs"), "--out", str(out)]) == 0
@@ -24,7 +24,7 @@ def test_plan_runs_and_page_names_its_commands(tmp_path, monkeypatch):
     assert set(record) == {"hover", "small"} and all(r["wall_s"] > 0 for r in record.values())
     assert "| hover | 30 |" in page  # the dataset row, from its meta.json
     assert "python evaluate.py debug=evaluate policies=[lru,pbkv_lae]" in page
-    assert "python evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=2000" in page  # each command named
+    assert "python evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=60000" in page  # each command named
     for run in ("a", "b"):  # one report over both runs of the step
         rows = json.loads((tmp_path / "runs" / "evaluate" / "small" / run / "summary.json").read_text())["rows"]
         lru = next(r for r in rows if r["policy"] == "lru")
