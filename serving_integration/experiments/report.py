@@ -366,7 +366,7 @@ def robustness_check(rows) -> str:
         ok = all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin) and (
             not keep_applies or all(not math.isnan(k) and k >= ROBUST_KEEP for k in keep))
         seeds = adaptive.get("seeds") or [adaptive.get("seed")]
-        body.append([at["workload"], str(at["gpu_tokens"]), pred, "none" if not noise else f"{kind} {noise:g}",
+        body.append([at["workload"], str(at["gpu_tokens"]), pred, "none" if not noise else f"{kind} eps={noise:g}",
                      ", ".join(str(s) for s in seeds),
                      " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
                      " / ".join(f"{x:.1%}" for x in a), " / ".join(f"{x:.1%}" for x in w),
