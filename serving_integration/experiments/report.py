@@ -321,7 +321,7 @@ def regret_fit(rows) -> tuple[str, list]:
         fits.append((key, name, eps, regret, slope, intercept))
     head = ["setting", "policy", "noise levels", "regret slope", "intercept", "R^2",
             "lowest hit rate minus pbkv_lae's"]
-    return (md_table(head, body) if body else "No noise sweep in these runs."), fits
+    return (md_table(head, body) if body else ""), fits
 
 
 # -------------------------------------------------------------------- plots
@@ -437,7 +437,7 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
 def kv_table(rows) -> str:
     kv = [r for r in rows if r["comparison"] == "kv"]
     if not kv:
-        return "No KV-pruning rows in these runs."
+        return ""
     body = [[r["workload"], r["layout"], r["kv_method"], str(r["kv_budget"]), fmt(r["prefix_hit_rate"], "{:.1%}"),
              fmt(r["hit_rate"], "{:.1%}"), f"{r['kv_tokens_read']:.3g}", fmt(r["mean_workflow_latency_s"])] for r in kv]
     return md_table(["workload", "layout", "method", "budget", "prefix hit rate", "GPU hit rate", "KV tokens read",
@@ -485,7 +485,7 @@ def cluster_best(combos: dict, replicas: int):
 def cluster_section(rows) -> str:
     groups = cluster_rows(rows)
     if not groups:
-        return "No cluster runs (sim.replicas > 1) in these runs."
+        return ""
     parts, named = [], []
     workloads, at = CLUSTER_BEST_AT
     for (workload, n_wf, gpu, conc, cost), combos in groups.items():
@@ -540,13 +540,14 @@ def build(paths: list[str], out: Path) -> Path:
     with atomic_dir(out, COMMAND, inputs=paths) as tmp:
         regret_md, fits = regret_fit(rows)
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
+        optional = [("## Prediction noise: regret and its linear fit", regret_md),
+                    ("## KV pruning (IntentKV)", kv_table(rows)),
+                    ("## A cluster: replicas x routing x eviction", cluster_section(rows))]
         md = "\n\n".join([
             "# PBKV report",
             f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
             "## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows),
-            "## Prediction noise: regret and its linear fit", regret_md,
-            "## KV pruning (IntentKV)", kv_table(rows),
-            "## A cluster: replicas x routing x eviction", cluster_section(rows),
+            *(part for heading, body in optional if body for part in (heading, body)),  # sections these runs have
             "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
             "## Results by setting", SETTING_NOTE, setting_tables(rows),
         ]) + "\n"
