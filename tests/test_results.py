@@ -41,3 +41,19 @@ def test_a_plan_step_needs_commands(tmp_path):
         plan.write_text(yaml.safe_dump({"steps": [{"name": "x", "kind": "evaluate", "command": command}]}))
         with pytest.raises(ValueError, match="a list of commands"):
             results.load_plan(plan)
+
+
+def test_a_server_step_inlines_its_report(tmp_path):
+    """kind: server (validate_sim on real servers): the page shows the run's report.md under its command."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"steps": [
+        {"name": "check", "kind": "server", "title": "Real against simulated", "about": "Ten workflows.",
+         "command": "-c \"print('the server run')\""}]}))
+    runs = tmp_path / "runs"
+    (runs / "server" / "check").mkdir(parents=True)
+    (runs / "server" / "check" / "report.md").write_text("lru | 16.0% / 14.7%\n")
+    out = tmp_path / "results.md"
+    assert results.main(["--plan", str(plan), "--runs", str(runs), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page
+    assert page.index("python -c") < page.index("lru | 16.0%")  # the command comes before its numbers

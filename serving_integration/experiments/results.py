@@ -27,7 +27,7 @@ import yaml
 from data import REPO
 from data.atomic import atomic_file, write_json
 
-KINDS = ("data", "train", "evaluate")
+KINDS = ("data", "train", "evaluate", "server")
 
 
 def load_plan(path: Path) -> list[dict]:
@@ -101,6 +101,12 @@ def evaluate_section(step: dict, runs: Path, record: dict, out: Path) -> str:
     return "\n\n".join([f"### {step['title']}", step.get("about", ""), commands([step], record), md])
 
 
+def server_section(step: dict, runs: Path, record: dict) -> str:
+    """A run on real servers (experiments.validate_sim): its report.md, inlined."""
+    report = (runs / "server" / step["name"] / "report.md").read_text()
+    return "\n\n".join([f"### {step['title']}", step.get("about", ""), commands([step], record), report])
+
+
 def shown(path: Path) -> str:
     """A path as the page shows it: relative to the repository when inside it."""
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
@@ -134,11 +140,9 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
     if by_kind["evaluate"]:
         sections.append("## Cache policies in the simulator")
         sections += [evaluate_section(step, runs, record, out) for step in by_kind["evaluate"]]
-    if (out.parent / "results" / "validate_sim.md").is_file():
-        sections.append("## The simulator against a real SGLang server\n\nNot a step of this plan (it needs a "
-                        "quiet machine for about 10 minutes): the record of one run of `python -m "
-                        "serving_integration.experiments.validate_sim`, with its command, is "
-                        "[results/validate_sim.md](results/validate_sim.md).")
+    if by_kind["server"]:
+        sections.append("## Real SGLang servers on this CPU against the simulator")
+        sections += [server_section(step, runs, record) for step in by_kind["server"]]
     with atomic_file(out) as tmp:
         tmp.write_text("\n\n".join(s for s in sections if s) + "\n")
     return out
