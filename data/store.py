@@ -46,6 +46,22 @@ class TraceDataset:
         names = SPLITS if split is None else (split,)
         return [row for name in names for row in self.calls[name]]
 
+    def system_prompts(self, split: str | None = None) -> dict[str, str]:
+        """Each agent's system prompt: the text of the first ``system`` segment of its first call in
+        ``split`` (None: every split, train first), "" where the trace stores no text for it
+        (generated workloads record only the prompt's token count)."""
+        kinds = self.segments["kind"]
+        rows = [i for i, kind in enumerate(kinds) if kind == "system"]
+        chosen = self.segments.select(rows).select_columns(["id", "text"]).to_dict()
+        system = dict(zip(chosen["id"], chosen["text"]))
+        prompts: dict[str, str] = {}
+        for name in SPLITS if split is None else (split,):
+            calls = self.calls[name].select_columns(["agent", "prompt_ids"]).to_dict()
+            for agent, prompt in zip(calls["agent"], calls["prompt_ids"]):
+                if not prompts.get(agent):
+                    prompts[agent] = next((system[i] for i in prompt if i in system), "")
+        return prompts
+
     @property
     def workload(self) -> str:
         """The workload's own name: meta.json's (generated data), else the trace set's importer

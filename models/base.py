@@ -54,6 +54,10 @@ class PrefixBatch:
     path: Tensor  # [B, L] long
     n_calls: Tensor  # [B] long, >= 1
     text: Tensor  # [B, D] float (D = 0 when the predictor uses no text signal)
+    # identity vectors [M, D_id] of agents outside the vocabulary that the path names with ids
+    # n_classes + j (predictors that embed agents by name and system prompt); None: such agents
+    # are <unk> in the path
+    unseen: Tensor | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -69,7 +73,8 @@ class PrefixBatch:
         return (self.n_calls[:, None] - 1 - offset).clamp(min=0)
 
     def to(self, device) -> "PrefixBatch":
-        return PrefixBatch(self.path.to(device), self.n_calls.to(device), self.text.to(device))
+        return PrefixBatch(self.path.to(device), self.n_calls.to(device), self.text.to(device),
+                           None if self.unseen is None else self.unseen.to(device))
 
 
 def survival(probs: Tensor) -> Tensor:
@@ -149,7 +154,10 @@ class Predictor(nn.Module, ABC):
         if lengths.min() == 0:
             raise ValueError("a WorkflowPrefix needs at least one agent (the call that just finished)")
         # right-aligned [B, L] ids, filled with one flat scatter instead of a padded list per row
-        flat = np.fromiter((index.get(a, UNK_ID) for w in windows for a in w), dtype=np.int64, count=lengths.sum())
+        flat = np.fromiter((index.get(a, -1) for w in windows for a in w), dtype=np.int64, count=lengths.sum())
+        unseen = None
+        if (flat < 0).any():
+            unseen = self.encode_unseen(flat, [a for w in windows for a in w])
         width = int(lengths.max())
         rows = np.repeat(np.arange(len(windows)), lengths)
         starts = np.cumsum(lengths) - lengths
@@ -159,7 +167,19 @@ class Predictor(nn.Module, ABC):
         n_calls = np.fromiter((len(p.agents) for p in prefixes), dtype=np.int64, count=len(prefixes))
         device = self.device
         return PrefixBatch(torch.from_numpy(path).to(device), torch.from_numpy(n_calls).to(device),
-                           self.text_features(prefixes).to(device))
+                           self.text_features(prefixes).to(device), None if unseen is None else unseen.to(device))
+
+    def example_batch(self, path: Tensor, n_calls: Tensor, text: Tensor) -> PrefixBatch:
+        """A batch of the data module's examples, whose paths name val/test agents outside the
+        vocabulary with ids >= n_classes (models.datamodule): <unk> here."""
+        return PrefixBatch(path.masked_fill(path >= self.n_classes, UNK_ID), n_calls, text)
+
+    def encode_unseen(self, ids: np.ndarray, names: Sequence[str]) -> Tensor | None:
+        """Agents outside the vocabulary (ids < 0 in the flat path): here they become <unk>;
+        predictors that embed agents by identity give them ids past the vocabulary instead and
+        return their identity vectors (models.graphsage)."""
+        ids[ids < 0] = UNK_ID
+        return None
 
     @torch.inference_mode()
     def predict(self, prefixes: Sequence[WorkflowPrefix]) -> Tensor:

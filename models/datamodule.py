@@ -5,7 +5,9 @@ The example for call t of a workflow with T calls is the prefix up to and includ
 t+k, END when t+k = T, and IGNORE_INDEX (masked) past the end.
 
 The vocabulary, the call graph and the Markov counts come from the training split only; agents
-that appear only in val/test map to ``<unk>``.
+that appear only in val/test map to ``<unk>`` in the examples (predictors that embed agents by
+identity give them their own vector at predict time, from ``agent_texts``: name and system
+prompt, data.store.TraceDataset.system_prompts).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from data import store
 from data.schema import SPLITS
 from models.base import IGNORE_INDEX, UNK_ID, vocabulary
 from models.graph import CallGraph
-from models.text import TextSpec
+from models.text import TextSpec, agent_identity_text
 
 
 @dataclass
@@ -44,6 +46,15 @@ class Corpus:
     graph: CallGraph
     text: TextSpec
     workload: str = ""
+    # identity text of each vocabulary entry (name + system prompt; "" for <unk>), its encoding by
+    # the text encoder [A, D] and that encoder's spec (None without an encoder)
+    agent_texts: list[str] = field(default_factory=list)
+    agent_vectors: Tensor | None = None
+    identity_encoder: dict | None = None
+    # agents of val/test outside the vocabulary: the examples' paths name them n_classes + j (their
+    # labels are <unk>), with their identity vectors [M, D]
+    unseen_agents: list[str] = field(default_factory=list)
+    unseen_vectors: Tensor | None = None
 
 
 def workflows_of(calls) -> list[Workflow]:
@@ -100,11 +111,22 @@ class TraceDataModule(pl.LightningDataModule):
         index = {name: i for i, name in enumerate(agent_names)}
         sequences = [[index[a] for a in wf.agents] for wf in workflows["train"]]
         text = text_source_of(workflows["train"], self.text_source, self.text_encoder)
+        # identities: an agent's system prompt comes with its calls, so val/test agents have one too
+        prompts = self.dataset.system_prompts(None)
+        unseen = sorted({a for split in ("val", "test") for wf in workflows[split] for a in wf.agents} - set(index))
+        texts = [""] + [agent_identity_text(a, prompts.get(a, "")) for a in agent_names[1:] + unseen]
+        encoder = self.text_encoder
+        vectors = None if encoder is None else encoder.encode(texts)
         self.corpus = Corpus(agent_names, self.horizon, self.max_path, sequences,
                              CallGraph.from_sequences(sequences, len(agent_names)), text,
-                             str(self.dataset.meta.get("workload", "")))
+                             str(self.dataset.meta.get("workload", "")), texts[:len(agent_names)],
+                             None if vectors is None else vectors[:len(agent_names)],
+                             None if encoder is None else encoder.spec(),
+                             unseen, None if vectors is None else vectors[len(agent_names):])
         task_vectors = self.encode_tasks(workflows, text)
-        self.splits = {split: self.examples(wfs, index, text, task_vectors) for split, wfs in workflows.items()}
+        path_index = {**index, **{a: len(index) + 1 + j for j, a in enumerate(unseen)}}  # past END
+        self.splits = {split: self.examples(wfs, index, path_index, text, task_vectors)
+                       for split, wfs in workflows.items()}
 
     def encode_tasks(self, workflows: dict[str, list[Workflow]], text: TextSpec) -> dict[str, Tensor]:
         if text.source != "encoder":
@@ -112,13 +134,15 @@ class TraceDataModule(pl.LightningDataModule):
         tasks = list(dict.fromkeys(wf.task for wfs in workflows.values() for wf in wfs))
         return dict(zip(tasks, self.text_encoder.encode(tasks)))
 
-    def examples(self, workflows: list[Workflow], index: dict[str, int], text: TextSpec,
-                 task_vectors: dict[str, Tensor]) -> TensorDataset:
+    def examples(self, workflows: list[Workflow], index: dict[str, int], path_index: dict[str, int],
+                 text: TextSpec, task_vectors: dict[str, Tensor]) -> TensorDataset:
+        """Paths name agents by path_index (unseen ones past the vocabulary), labels by index
+        (unseen ones are <unk>)."""
         end, width, horizon = len(index), self.max_path, self.horizon
         paths, n_calls, labels, texts = [], [], [], []
         for wf in workflows:
-            ids = [index.get(a, UNK_ID) for a in wf.agents]
-            targets = ids + [end] + [IGNORE_INDEX] * horizon
+            ids = [path_index.get(a, UNK_ID) for a in wf.agents]
+            targets = [index.get(a, UNK_ID) for a in wf.agents] + [end] + [IGNORE_INDEX] * horizon
             for t in range(len(ids)):
                 window = ids[max(0, t + 1 - width):t + 1]
                 paths.append([UNK_ID] * (width - len(window)) + window)

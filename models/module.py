@@ -35,7 +35,7 @@ class PredictorModule(pl.LightningModule):
 
     def loss(self, batch) -> tuple[Tensor, Tensor, Tensor]:
         path, n_calls, text, labels = batch
-        logits = self.predictor(PrefixBatch(path, n_calls, text))
+        logits = self.predictor(self.predictor.example_batch(path, n_calls, text))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
         return loss, logits, labels
 

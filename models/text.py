@@ -13,6 +13,7 @@ keeps the encodings of recent distinct strings in an LRU table and encodes only 
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -72,6 +73,13 @@ class MiniLMTextEncoder:
         embeddings = self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
                                          normalize_embeddings=True, show_progress_bar=False)
         return embeddings.float().cpu()
+
+
+def agent_identity_text(name: str, system_prompt: str = "") -> str:
+    """What identifies an agent in a real framework: its name, split into words
+    (``DataVerification_Expert`` -> ``Data Verification Expert``), then its system prompt."""
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", re.sub(r"[_\-.:/]+", " ", name)).strip()
+    return f"{words} {system_prompt}".strip() if system_prompt else words
 
 
 ENCODERS = {cls.kind: cls for cls in (HashingTextEncoder, MiniLMTextEncoder)}

@@ -40,6 +40,8 @@ def build_predictor(cfg: DictConfig) -> tuple[TraceDataModule, Predictor]:
     datamodule.setup()
     predictor = instantiate(cfg.model.predictor)(datamodule.corpus)
     predictor.text_features.attach(text_encoder if predictor.text_spec.source == "encoder" else None)
+    if getattr(predictor, "identity_proj", None) is not None:  # agents embedded by the same encoder
+        predictor.identity_features.attach(text_encoder)
     return datamodule, predictor
 
 

@@ -326,3 +326,78 @@ def test_hidden_vectors_in_the_trace_become_the_text_signal():
     probs = predictor.predict([WorkflowPrefix(["retriever"], "any", [1.0, 2.0, 3.0, 4.0]),
                                WorkflowPrefix(["retriever"])])  # no hidden: zeros
     assert probs.shape == (2, K, len(predictor.agent_names) + 1)
+
+
+# ------------------------------------------------------------------ agent identity (name + system prompt)
+def identity_predictor(family: str, corpus, encoder):
+    torch.manual_seed(0)
+    cls = GraphSAGEPredictor if family == "graphsage" else RGCNPredictor
+    predictor = cls.from_corpus(corpus, dim=16, hidden=32, identity=True).eval()
+    predictor.text_features.attach(encoder)
+    predictor.identity_features.attach(encoder)
+    return predictor
+
+
+@pytest.mark.parametrize("family", ["graphsage", "rgcn"])
+def test_an_unseen_agent_is_its_identity_not_unk(family, datamodule):
+    predictor = identity_predictor(family, datamodule.corpus, datamodule.text_encoder)
+    batch = predictor.encode_prefixes([WorkflowPrefix(["retriever", "Fact_Checker"], CLAIM)])
+    assert batch.path[0, -1] == predictor.n_classes  # past the vocabulary, not <unk>
+    torch.testing.assert_close(batch.unseen[0], datamodule.text_encoder.encode(["Fact Checker"])[0])
+    unseen = predictor.predict([WorkflowPrefix(["retriever", "Fact_Checker"], CLAIM)])
+    unk = predictor.predict([WorkflowPrefix(["retriever", UNK], CLAIM)])
+    other = predictor.predict([WorkflowPrefix(["retriever", "planner"], CLAIM)])
+    assert not torch.allclose(unseen, unk, atol=1e-5) and not torch.allclose(unseen, other, atol=1e-5)
+    # the same agent met again keeps its id; a described system prompt gives a new agent a different input
+    assert predictor.encode_prefixes([WorkflowPrefix(["Fact_Checker"], CLAIM)]).path[0, -1] == predictor.n_classes
+    predictor.describe_agents({"critic": "You check every claim against the retrieved passages."})
+    described = predictor.encode_prefixes([WorkflowPrefix(["critic"], CLAIM)])
+    assert not torch.allclose(described.unseen[-1], datamodule.text_encoder.encode(["critic"])[0])
+
+
+def test_identity_training_reaches_the_projection_and_known_agents_carry_their_text(datamodule):
+    predictor = identity_predictor("graphsage", datamodule.corpus, datamodule.text_encoder).train()
+    assert predictor.agent_texts[0] == "" and "query generator" in predictor.agent_texts
+    assert predictor.identity_vectors[0].abs().sum() == 0 and predictor.identity_vectors[1].abs().sum() > 0
+    loss, _, _ = PredictorModule(predictor).loss(datamodule.splits["train"][:64])
+    loss.backward()
+    assert torch.isfinite(loss) and predictor.identity_proj.weight.grad.abs().sum() > 0
+
+
+def test_val_and_test_agents_outside_the_vocabulary_keep_an_identity_in_the_examples():
+    ds = store.build(Hover().generate(40, seed=0), val=0.2, test=0.2, seed=0)
+    ds.calls["test"] = ds.calls["test"].map(lambda r: {"agent": "fact_checker" if r["agent"] == "verifier" else r["agent"]})
+    dm = TraceDataModule(dataset=ds, horizon=K, max_path=8, text_encoder=HashingTextEncoder(64))
+    dm.setup()
+    corpus = dm.corpus
+    assert corpus.unseen_agents == ["fact_checker"] and "fact_checker" not in corpus.agent_names
+    n_classes = len(corpus.agent_names) + 1
+    path, n_calls, text, labels = dm.splits["test"][:]
+    assert (path == n_classes).any() and not (labels >= n_classes).any()  # paths name it; labels say <unk>
+    graph = identity_predictor("graphsage", corpus, dm.text_encoder)
+    markov = MarkovPredictor.from_corpus(corpus)
+    assert graph.example_batch(path, n_calls, text).path.max() == n_classes
+    assert markov.example_batch(path, n_calls, text).path.max() < n_classes  # no identities: <unk>
+    # serving meets the same agent under the same id as the examples
+    assert graph.encode_prefixes([WorkflowPrefix(["fact_checker"], CLAIM)]).path[0, -1] == n_classes
+
+
+def test_checkpoint_keeps_agent_texts_and_old_ones_load_or_say_why(datamodule, tmp_path):
+    predictor = identity_predictor("graphsage", datamodule.corpus, datamodule.text_encoder)
+    with torch.no_grad():
+        predictor.identity_proj.weight.add_(0.1)
+    path = save_predictor(predictor, tmp_path / "p.pt")
+    loaded = load_predictor(path)
+    assert loaded.agent_texts == predictor.agent_texts and loaded.identity_encoder == predictor.identity_encoder
+    torch.testing.assert_close(loaded.identity_vectors, predictor.identity_vectors)
+    new_agent = [WorkflowPrefix(["retriever", "Fact_Checker"], CLAIM)]
+    torch.testing.assert_close(loaded.predict(new_agent), predictor.predict(new_agent))
+    # a checkpoint from before identities (no identity entry) loads, its unseen agents as <unk>
+    old = save_predictor(build("graphsage", datamodule.corpus), tmp_path / "old.pt")
+    assert load_predictor(old).identity_proj is None
+    # one that asks for identities but lost its texts says so
+    payload = torch.load(path, weights_only=True)
+    del payload["init"]["agent_texts"]
+    torch.save(payload, tmp_path / "no_texts.pt")
+    with pytest.raises(CheckpointError, match="lacks the agents' identity texts"):
+        load_predictor(tmp_path / "no_texts.pt")

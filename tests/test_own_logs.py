@@ -57,6 +57,10 @@ def test_own_chat_logs_import_train_evaluate(tmp_path):
     run("train.py", f"data.path={data}", "logger=csv", f"hydra.run.dir={tmp_path / 'train'}", *FAST_TRAINING)
     metrics = json.loads((tmp_path / "train" / "metrics.json").read_text())
     assert 0.0 <= metrics["test/top1_k1"] <= 1.0
+    from models import load_predictor
+
+    predictor = load_predictor(tmp_path / "train" / "predictor.pt")  # agents known by name and system prompt
+    assert f"router {SYSTEM['router']}" in predictor.agent_texts
 
     overrides = "[" + ",".join(f"'{o}'" for o in FAST_TRAINING) + "]"
     run("evaluate.py", f"data.path={data}", "predictor.train=graphsage", f"predictor.train_overrides={overrides}",
@@ -67,3 +71,5 @@ def test_own_chat_logs_import_train_evaluate(tmp_path):
     rows = {(r["policy"], r["trust"]): r for r in summary["rows"]}
     assert set(rows) == {("lru", "none"), ("pbkv_lae", "none"), ("pbkv", "adaptive"), ("pbkv", "always")}
     assert all(r["workload"] == "help_desk" and r["calls"] >= 12 * 4 for r in rows.values())
+    # pbkv rows carry their predictor's test top-1 (train.py's, on this dataset's test split)
+    assert rows[("pbkv", "adaptive")]["predictor_top1_k1"] == summary["predictor"]["test_metrics"]["test/top1_k1"]

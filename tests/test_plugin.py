@@ -445,6 +445,9 @@ def test_launch_cpu_adds_the_cpu_flags_environment_and_support_path(tmp_path):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.CPU_SUPPORT), str(launch.REPO), "/elsewhere"]
     assert "PYTHONPYCACHEPREFIX" not in env
+    assert env["OMP_NUM_THREADS"] == "1"  # one compute thread unless asked (see launch's docstring)
+    threads = launch.parse_args(["--cpu", "--cpu-threads", "2"])[0]
+    assert launch.server_env(threads, {})["OMP_NUM_THREADS"] == "2"
     assert launch.server_env(launch.parse_args(["--model-path", "m"])[0], {"A": "1"}) == {"A": "1"}  # GPU: as is
     with pytest.raises(SystemExit):
         launch.parse_args(["--policy", "lru"])  # neither --model-path nor --cpu

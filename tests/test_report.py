@@ -75,3 +75,32 @@ def test_experiment_configs_compose(name):
         cfg = compose(config_name="evaluate", overrides=[f"experiment={name}"], return_hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params
     assert set(cfg.policies) <= set(POLICIES)
+
+
+def robust_row(policy, hits, trust="none", predictor="none", top1=None):
+    from serving_integration.experiments.presentation import make_row
+
+    labels = dict(workload="hover", policy=policy, gpu_tokens=300000, concurrency=32, split="test", horizon=3,
+                  gamma=0.5, cost_model="h100", workflows=300, calls=3000, trust=trust, predictor=predictor)
+    metrics = {"hit_rate": sum(hits) / 3, "hit_rate_per_seed": hits, "mean_workflow_latency_s": 1.0}
+    if top1:
+        metrics.update(predictor_top1_k1=sum(top1) / 3, predictor_top1_k1_per_seed=top1)
+    return {**make_row(labels, metrics), "seeds": [0, 1, 2]}
+
+
+def test_robustness_check_is_per_seed_against_its_criteria():
+    from serving_integration.experiments.report import predictor_check, robustness_check
+
+    rows = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.22, 0.21, 0.20]),
+            robust_row("pbkv", [0.40, 0.215, 0.185], "adaptive", "graphsage", top1=[0.9, 0.8, 0.7]),
+            robust_row("pbkv", [0.40, 0.30, 0.30], "always", "graphsage", top1=[0.9, 0.8, 0.7]),
+            robust_row("pbkv", [0.30, 0.30, 0.30], "adaptive", "markov", top1=[0.85, 0.85, 0.6]),
+            robust_row("pbkv", [0.30, 0.30, 0.30], "always", "markov", top1=[0.85, 0.85, 0.6])]
+    table = robustness_check(rows)
+    graphsage = next(line for line in table.splitlines() if "| graphsage |" in line)
+    # margins over max(lru, pbkv_lae) in points; shares of always's gain kept; seed 2 fails both criteria
+    assert "+18.0 / +0.5 / -1.5" in graphsage and "100% / 15% / -15%" in graphsage and "**no**" in graphsage
+    markov = next(line for line in table.splitlines() if "| markov |" in line)
+    assert "+8.0 / +9.0 / +10.0" in markov and markov.rstrip(" |").endswith("yes")
+    top1 = predictor_check(rows)
+    assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1

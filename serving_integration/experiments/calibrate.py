@@ -2,7 +2,7 @@
 
     python -m serving_integration.experiments.calibrate --calls runs/bench/hover/calls.jsonl \\
         --model-dir .cache/pbkv/models/tiny-llama --name cpu-tiny-llama \\
-        --peak-flops 1e11 --mem-bandwidth 2e10 --pcie-bandwidth 1e10
+        --peak-flops 1.66e11 --mem-bandwidth 2e10 --pcie-bandwidth 1e10
 
 The model's shape (layers, heads, head size, parameter count, dtype) is read from its directory
 (config.json and the safetensors header); the hardware's nominal peak FLOP/s, memory bandwidth and
@@ -34,15 +34,19 @@ import numpy as np
 
 from data import CONF_DIR
 
+ROBUST_SCALE_S = 0.05  # residuals beyond about 50 ms weigh linearly, not quadratically
 FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s")
 START = {"mfu": 0.3, "bandwidth_efficiency": 0.5, "pcie_efficiency": 0.5, "step_overhead_s": 0.01}
 BOUNDS = {"mfu": (1e-4, 1.0), "bandwidth_efficiency": (1e-4, 1.0), "pcie_efficiency": (1e-4, 1.0),
           "step_overhead_s": (1e-5, 1.0)}
+# input embedding tables: a lookup per token, no multiply (Kaplan et al. 2020 count parameters without them)
+EMBEDDING_TABLES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "F16": 2}
 
 
 def model_shape(model_dir: str | Path) -> dict:
-    """The cost model's shape fields from a Hugging Face model directory."""
+    """The cost model's shape fields from a Hugging Face model directory; `params` counts the weights
+    a token is multiplied by (every tensor but the input embedding table)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -51,6 +55,8 @@ def model_shape(model_dir: str | Path) -> dict:
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
+                if key.endswith(EMBEDDING_TABLES):
+                    continue
                 tensor = f.get_slice(key)
                 params += math.prod(tensor.get_shape())
                 dtype = dtype or tensor.get_dtype()
@@ -129,7 +135,8 @@ def fit(calls: list[dict], base: dict):
         return np.concatenate([ttft - f["ttft"], decode[use_decode] - f["decode"][use_decode]])
 
     x0 = np.clip(np.log([START[k] for k in FITTED]), lo, hi)
-    result = least_squares(residuals, x0, bounds=(lo, hi))
+    # soft_l1: a call stalled by another process on a shared machine must not set the fit (Huber-like)
+    result = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=ROBUST_SCALE_S)
     cost = model(result.x)
     ttft, decode = predicted(cost, f)
     report = {"calls": len(calls), "ttft_mean_s": (float(f["ttft"].mean()), float(ttft.mean())),
@@ -143,7 +150,9 @@ def preset_yaml(cost, source: str, report: dict) -> str:
 
     lines = [f"# {cost.name}: fitted by `python -m serving_integration.experiments.calibrate` from {source}",
              f"# ({report['calls']} calls; rms residual {report['rms_residual_s']:.3f} s). Nominal peak FLOP/s,",
-             "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted.",
+             "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted"
+             + (f"\n# (at a bound, so not identified by that run: {', '.join(report['at_bounds'])})."
+                if report.get("at_bounds") else "."),
              "_target_: serving_integration.simulator.cost_model.CostModel"]
     for key, value in asdict(cost).items():
         # floats with a mantissa dot: YAML 1.1 (PyYAML) reads `1e+11` as a string
@@ -151,8 +160,39 @@ def preset_yaml(cost, source: str, report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def at_bounds(cost) -> list[str]:
+    """Fitted parameters that ended on a bound: the run did not pin them down (say so beside the fit)."""
+    return [k for k in FITTED if any(math.isclose(getattr(cost, k), b, rel_tol=1e-3) for b in BOUNDS[k])]
+
+
+def fit_preset(calls_path: str | Path, out: str | Path, *, name: str = "cpu-tiny-llama", model_dir: str | Path,
+               peak_flops: float, mem_bandwidth: float, pcie_bandwidth: float):
+    """Fit the cost model to a bench run's calls.jsonl and write it as a conf/cost_model preset at `out`."""
     from data.atomic import atomic_file
+
+    base = {"name": name, **model_shape(model_dir), "peak_flops": peak_flops, "mem_bandwidth": mem_bandwidth,
+            "pcie_bandwidth": pcie_bandwidth}
+    cost, report = fit(read_calls(calls_path), base)
+    report["at_bounds"] = at_bounds(cost)
+    with atomic_file(Path(out)) as tmp:
+        tmp.write_text(preset_yaml(cost, Path(calls_path).name, report))
+    return cost, report
+
+
+def describe(cost, report: dict) -> str:
+    bounded = f"; at a bound (not identified by this run): {', '.join(report['at_bounds'])}" if report["at_bounds"] else ""
+    return (f"fitted on {report['calls']} calls: " + ", ".join(f"{k}={getattr(cost, k):.4g}" for k in FITTED) + "\n"
+            f"mean TTFT real {report['ttft_mean_s'][0]:.3f} s, model {report['ttft_mean_s'][1]:.3f} s; "
+            f"mean decode real {report['decode_mean_s'][0]:.3f} s, model {report['decode_mean_s'][1]:.3f} s; "
+            f"rms residual {report['rms_residual_s']:.3f} s{bounded}")
+
+
+# This machine's CPU (AMD EPYC, Zen 4, 2 cores at 2.6 GHz): 2 x 2.6e9 x 32 fp32 FLOP per cycle
+# (AVX-512 FMA); memory and host-copy bandwidths are round nominal figures.
+CPU_PEAK_FLOPS, CPU_MEM_BANDWIDTH, CPU_COPY_BANDWIDTH = 1.66e11, 2e10, 1e10
+
+
+def main(argv=None) -> int:
     from serving_integration.server.tiny_model import DEFAULT_DIR
 
     p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.calibrate", description=__doc__,
@@ -160,26 +200,19 @@ def main(argv=None) -> int:
     p.add_argument("--calls", required=True, help="a bench run's calls.jsonl (streamed, so TTFT is known)")
     p.add_argument("--model-dir", default=str(DEFAULT_DIR), help="the served model's directory (shape)")
     p.add_argument("--name", default="cpu-tiny-llama")
-    p.add_argument("--peak-flops", type=float, default=1e11, help="nominal peak FLOP/s of the serving device")
-    p.add_argument("--mem-bandwidth", type=float, default=2e10, help="nominal memory bandwidth, bytes/s")
-    p.add_argument("--pcie-bandwidth", type=float, default=1e10, help="nominal host-link bandwidth, bytes/s")
+    p.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS, help="nominal peak FLOP/s of the serving device")
+    p.add_argument("--mem-bandwidth", type=float, default=CPU_MEM_BANDWIDTH, help="nominal memory bandwidth, bytes/s")
+    p.add_argument("--pcie-bandwidth", type=float, default=CPU_COPY_BANDWIDTH, help="nominal host-link bandwidth, bytes/s")
     p.add_argument("--out", help="default conf/cost_model/NAME.yaml")
     args = p.parse_args(argv)
+    out = Path(args.out or CONF_DIR / "cost_model" / f"{args.name}.yaml")
     try:
-        calls = read_calls(args.calls)
-        base = {"name": args.name, **model_shape(args.model_dir), "peak_flops": args.peak_flops,
-                "mem_bandwidth": args.mem_bandwidth, "pcie_bandwidth": args.pcie_bandwidth}
+        cost, report = fit_preset(args.calls, out, name=args.name, model_dir=args.model_dir, peak_flops=args.peak_flops,
+                                  mem_bandwidth=args.mem_bandwidth, pcie_bandwidth=args.pcie_bandwidth)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cost, report = fit(calls, base)
-    out = Path(args.out or CONF_DIR / "cost_model" / f"{args.name}.yaml")
-    with atomic_file(out) as tmp:
-        tmp.write_text(preset_yaml(cost, Path(args.calls).name, report))
-    print(f"fitted on {report['calls']} calls: " + ", ".join(f"{k}={getattr(cost, k):.4g}" for k in FITTED))
-    print(f"mean TTFT real {report['ttft_mean_s'][0]:.3f} s, model {report['ttft_mean_s'][1]:.3f} s; "
-          f"mean decode real {report['decode_mean_s'][0]:.3f} s, model {report['decode_mean_s'][1]:.3f} s; "
-          f"rms residual {report['rms_residual_s']:.3f} s")
+    print(describe(cost, report))
     print(f"wrote {out}")
     return 0
 

@@ -115,6 +115,9 @@ class PredictorSpec:
     def trained_checkpoint(self, dataset_path: Path, seed: int, horizon: int) -> Path:
         """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
         recipe = {"family": self.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
+        family_config = REPO / "conf" / "model" / f"{self.train}.yaml"
+        if family_config.is_file():  # a changed default (e.g. a new input of the family) trains anew
+            recipe["model_config"] = hashlib.sha256(family_config.read_bytes()).hexdigest()[:12]
         if self.train_overrides:
             recipe["overrides"] = list(self.train_overrides)
         key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -151,6 +154,8 @@ class PredictorSpec:
         if checkpoint:
             # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
             predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=self.max_unknown)
+            if hasattr(predictor, "describe_agents"):  # agents it never saw: embedded by name and system prompt
+                predictor.describe_agents(replay.system_prompts)
             info = {"checkpoint": str(checkpoint), "family": predictor.family,
                     "test_metrics": dict(read_checkpoint(checkpoint).get("metrics", {}))}
         else:
@@ -184,6 +189,7 @@ class Replay:
     agent_names: list
     step_graph: AgentStepGraph
     dataset_path: Path | None
+    system_prompts: dict  # agent -> its system prompt ("" where the trace has none): it comes with every call
 
     @classmethod
     def from_dataset(cls, ds, split: str, n_workflows: int | None, horizon: int) -> "Replay":
@@ -195,7 +201,7 @@ class Replay:
         names = vocabulary([a for s in sequences for a in s] + [c.agent for w in workflows for c in w.calls])
         return cls(workload=ds.workload, split=split, workflows=workflows, train=train, train_sequences=sequences,
                    agent_names=names, step_graph=AgentStepGraph.for_dataset(ds.meta, sequences, horizon, names),
-                   dataset_path=ds.path)
+                   dataset_path=ds.path, system_prompts=ds.system_prompts(None))
 
 
 KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
@@ -289,6 +295,8 @@ def evaluate_seed(replay: Replay, sim: SimConfig, cost, knobs: PolicyKnobs, spec
         if name in PREDICTIVE:
             fields["noise_kind"] = spec.noise_kind
         rows.append(setting.run(replay.workflows, name, mode, kwargs, **fields))
+        if name == "pbkv":  # the predictor's own test top-1 at k=1 (train.py's, on this dataset's test split)
+            rows[-1]["predictor_top1_k1"] = learned[1].get("test_metrics", {}).get("test/top1_k1")
         log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
     if kv.budget:
         from models.intentkv.replay import prune_workflows  # torch scoring, only needed here

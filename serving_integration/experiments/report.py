@@ -109,9 +109,6 @@ def setting_tables(rows: list[dict]) -> str:
         def vs(base, r, field, higher):
             return pm(paired_ratios(r, base, field, higher)) if base else "n/a"
 
-        def cell(r, field, spec="{:.2f}"):
-            return pm(per_seed(r, field), spec) if isinstance(r.get(field), (int, float)) else "n/a"
-
         body = []
         for r in group:
             body.append([label(r), cell(r, "hit_rate", "{:.1%}"), vs(lru, r, "hit_rate", True),
@@ -163,6 +160,11 @@ def mean_ci(values: list[float]) -> tuple[float, float | None]:
     if n < 2:
         return float(values[0]), None
     return float(np.mean(values)), float(stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n))
+
+
+def cell(r: dict, field: str, spec: str = "{:.2f}") -> str:
+    """A row's metric as mean ± 95% CI over its seeds; n/a where the row has no such number."""
+    return pm(per_seed(r, field), spec) if isinstance(r.get(field), (int, float)) else "n/a"
 
 
 def pm(values: list[float], spec: str = "{:.2f}") -> str:
@@ -319,7 +321,105 @@ def regret_fit(rows) -> tuple[str, list]:
         fits.append((key, name, eps, regret, slope, intercept))
     head = ["setting", "policy", "noise levels", "regret slope", "intercept", "R^2",
             "lowest hit rate minus pbkv_lae's"]
-    return (md_table(head, body) if body else "No noise sweep in these runs."), fits
+    return (md_table(head, body) if body else ""), fits
+
+
+# -------------------------------------------------------------------- robust PBKV: adaptive trust, per seed
+
+ROBUST_TOLERANCE = 0.01  # adaptive may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
+ROBUST_KEEP = 0.95  # and keep this share of always's gain over LRU where predictions help (KEEP_WORKLOADS)
+KEEP_WORKLOADS = ("hover", "swebench")
+
+
+def robustness_rows(rows) -> list[tuple]:
+    """(setting, predictor, noise, noise kind, lru, pbkv_lae, adaptive, always) for every test setting
+    with plain lru and pbkv_lae rows and pbkv under both trust modes, no prefetch."""
+    groups = defaultdict(dict)
+    for r in rows:
+        if r["comparison"] != "policies" or split_of(r) != "test" or r["prefetch"] != "none":
+            continue
+        if r["policy"] in ("lru", "pbkv_lae") and not r.get("noise"):
+            groups[setting_of(r)].setdefault(r["policy"], r)
+        elif r["policy"] == "pbkv" and r.get("trust") in ("adaptive", "always"):
+            kind = r.get("noise_kind") if r.get("noise") else "none"
+            groups[setting_of(r)].setdefault((r["predictor"], r.get("noise") or 0.0, kind, r["trust"]), r)
+    out = []
+    for key, group in groups.items():
+        if "lru" not in group or "pbkv_lae" not in group:
+            continue
+        for pred, noise, kind, trust in sorted(k for k in group if isinstance(k, tuple)):
+            always = group.get((pred, noise, kind, "always"))
+            if trust == "adaptive" and always is not None:
+                out.append((key, pred, noise, kind, group["lru"], group["pbkv_lae"], group[(pred, noise, kind, trust)],
+                            always))
+    return out
+
+
+def robustness_check(rows) -> str:
+    """Per seed: adaptive - max(lru, pbkv_lae) in points, and the share of always's gain over LRU
+    that adaptive keeps; each against its criterion."""
+    body = []
+    for key, pred, noise, kind, lru, lae, adaptive, always in robustness_rows(rows):
+        at = dict(zip(SETTING, key))
+        l, e, a, w = (per_seed(r, "hit_rate") for r in (lru, lae, adaptive, always))
+        margin = [ai - max(li, ei) for li, ei, ai in zip(l, e, a)]
+        keep = [(ai - li) / (wi - li) if wi - li > 1e-9 else math.nan for li, ai, wi in zip(l, a, w)]
+        keep_applies = at["workload"].split("-")[0] in KEEP_WORKLOADS and not noise
+        ok = all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin) and (
+            not keep_applies or all(not math.isnan(k) and k >= ROBUST_KEEP for k in keep))
+        seeds = adaptive.get("seeds") or [adaptive.get("seed")]
+        body.append([at["workload"], str(at["gpu_tokens"]), pred, "none" if not noise else f"{kind} eps={noise:g}",
+                     ", ".join(str(s) for s in seeds),
+                     " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
+                     " / ".join(f"{x:.1%}" for x in a), " / ".join(f"{x:.1%}" for x in w),
+                     " / ".join(f"{100 * m:+.1f}" for m in margin),
+                     " / ".join("n/a" if math.isnan(k) else f"{k:.0%}" for k in keep) + ("" if keep_applies else " (not checked)"),
+                     "yes" if ok else "**no**"])
+    if not body:
+        return "No setting with lru, pbkv_lae and pbkv under both trust modes in these runs."
+    head = ["workload", "GPU tokens", "predictor", "noise", "seeds", "lru", "pbkv_lae", "pbkv adaptive",
+            "pbkv always", "adaptive - max(lru, pbkv_lae) (points)", "adaptive's share of always's gain", "criteria met"]
+    return md_table(head, body)
+
+
+def predictor_check(rows) -> str:
+    """Per workload and seed: the test top-1 at k=1 of each predictor behind pbkv (train.py's, on the
+    replayed dataset's test split), the default family against Markov."""
+    top1 = defaultdict(dict)  # workload -> predictor -> (seeds, values)
+    for r in rows:
+        if r["policy"] == "pbkv" and split_of(r) == "test" and r.get("predictor_top1_k1") is not None:
+            seeds = r.get("seeds") or [r.get("seed")]
+            top1[r["workload"]].setdefault(r["predictor"], (seeds, per_seed(r, "predictor_top1_k1")))
+    body = []
+    for workload, by_pred in sorted(top1.items()):
+        markov = by_pred.get("markov")
+        for pred, (seeds, values) in sorted(by_pred.items()):
+            if pred == "markov":
+                continue
+            diff = ([v - m for v, m in zip(values, markov[1])] if markov and markov[0] == seeds else None)
+            body.append([workload, pred, ", ".join(map(str, seeds)), " / ".join(f"{v:.3f}" for v in values),
+                         " / ".join(f"{v:.3f}" for v in markov[1]) if markov else "n/a",
+                         " / ".join(f"{d:+.3f}" for d in diff) if diff else "n/a",
+                         "n/a" if not diff else ("yes" if all(d >= -1e-12 for d in diff) else "**no**")])
+    if not body:
+        return "No predictor test metrics in these runs."
+    return md_table(["workload", "predictor", "seeds", "test top-1 k=1", "Markov", "difference", ">= Markov"], body)
+
+
+def robust_section(rows) -> str:
+    """The per-seed robustness check and the predictors' top-1 beside Markov; "" without such rows."""
+    if not robustness_rows(rows) and not any(r.get("predictor_top1_k1") is not None for r in rows):
+        return ""
+    return "\n\n".join([ROBUST_NOTE, robustness_check(rows), predictor_check(rows)])
+
+
+ROBUST_NOTE = (
+    "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv under "
+    "adaptive trust (it falls back to lifecycle-aware LRU while the predictions it measures online are poor) "
+    "against the better of lru and pbkv_lae, in points of GPU hit rate (criterion: >= -1 in every seed), and "
+    "the share of the gain of pbkv under always trust (the paper's policy) over LRU that adaptive keeps "
+    "(criterion on hover and swebench without noise: >= 95% in every seed; n/a where always gains nothing). "
+    "The predictor table gives the test top-1 at k=1 of the predictor behind pbkv beside Markov's, per seed.")
 
 
 # -------------------------------------------------------------------- plots
@@ -435,7 +535,7 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
 def kv_table(rows) -> str:
     kv = [r for r in rows if r["comparison"] == "kv"]
     if not kv:
-        return "No KV-pruning rows in these runs."
+        return ""
     body = [[r["workload"], r["layout"], r["kv_method"], str(r["kv_budget"]), fmt(r["prefix_hit_rate"], "{:.1%}"),
              fmt(r["hit_rate"], "{:.1%}"), f"{r['kv_tokens_read']:.3g}", fmt(r["mean_workflow_latency_s"])] for r in kv]
     return md_table(["workload", "layout", "method", "budget", "prefix hit rate", "GPU hit rate", "KV tokens read",
@@ -465,8 +565,8 @@ def cluster_rows(rows) -> dict:
 
 
 def cluster_best(combos: dict, replicas: int):
-    """The combination with the highest GPU hit rate (then the lowest mean latency) at `replicas`,
-    and its hit-rate ratio and latency speed-up over each base combination present."""
+    """The combination with the highest mean GPU hit rate (then the lowest mean latency) at `replicas`,
+    and its hit-rate ratio and latency speed-up over each base combination present, paired by seed."""
     at = {(routing, ev): r for (rep, routing, ev), r in combos.items() if rep == replicas}
     if not at:
         return None
@@ -475,36 +575,38 @@ def cluster_best(combos: dict, replicas: int):
     for base in CLUSTER_BASES:
         b = at.get(base)
         if b is not None:
-            ratios[base] = (ratio(top["hit_rate"], b["hit_rate"]),
-                            ratio(b["mean_workflow_latency_s"], top["mean_workflow_latency_s"]))
+            ratios[base] = (paired_ratios(top, b, "hit_rate", True),
+                            paired_ratios(top, b, "mean_workflow_latency_s", False))
     return routing, ev, top, ratios
 
 
 def cluster_section(rows) -> str:
     groups = cluster_rows(rows)
     if not groups:
-        return "No cluster runs (sim.replicas > 1) in these runs."
+        return ""
     parts, named = [], []
     workloads, at = CLUSTER_BEST_AT
     for (workload, n_wf, gpu, conc, cost), combos in groups.items():
         body = []
         for (rep, routing, ev), r in sorted(combos.items(), key=lambda item: item[0]):
-            body.append([str(rep), routing, ev, fmt(r["hit_rate"], "{:.1%}"),
-                         fmt(r.get("recompute_rate", r["miss_tokens"] / r["prompt_tokens"]), "{:.1%}"),
-                         fmt(r["mean_workflow_latency_s"]), fmt(r["p99_workflow_latency_s"]),
-                         fmt(r.get("load_imbalance"), "{:.2f}"), str(r.get("migrations", "n/a"))])
+            body.append([str(rep), routing, ev, cell(r, "hit_rate", "{:.1%}"), cell(r, "recompute_rate", "{:.1%}"),
+                         cell(r, "mean_workflow_latency_s"), cell(r, "p99_workflow_latency_s"),
+                         cell(r, "load_imbalance"), cell(r, "migrations", "{:.0f}")])
         head = ["replicas", "routing", "eviction", "GPU hit rate", "recompute rate", "mean latency (s)",
                 "p99 latency (s)", "load imbalance", "migrations"]
-        parts.append(f"### {workload}: {n_wf} workflows, total gpu_tokens={gpu}, concurrency={conc}, {cost}\n\n"
-                     + md_table(head, body))
+        seeds = next(iter(combos.values())).get("seeds") or [next(iter(combos.values())).get("seed")]
+        parts.append(f"### {workload}: {n_wf} workflows, total gpu_tokens={gpu}, concurrency={conc}, {cost}, "
+                     f"seed(s) {seeds}\n\n" + md_table(head, body))
         found = cluster_best(combos, at) if workload.split("-")[0] in workloads else None
         if found:
             routing, ev, top, ratios = found
-            vs = "; ".join(f"x{h:.2f} hit rate, x{l:.2f} latency speed-up over {b[0]} + {b[1]}"
+            vs = "; ".join(f"x{pm(h)} hit rate, x{pm(l)} latency speed-up over {b[0]} + {b[1]}"
                            for b, (h, l) in ratios.items()) or "no base combination in these runs"
             named.append(f"- **{workload}** ({at} replicas): best **{routing} + {ev}** at "
-                         f"{top['hit_rate']:.1%} GPU hit rate, mean latency {top['mean_workflow_latency_s']:.2f} s; {vs}")
-    intro = ("Recompute rate: missed prompt tokens over prompt tokens (prefilled again). Load imbalance: the most "
+                         f"{pm(per_seed(top, 'hit_rate'), '{:.1%}')} GPU hit rate, mean latency "
+                         f"{pm(per_seed(top, 'mean_workflow_latency_s'))} s; {vs}")
+    intro = ("Mean ± 95% CI over the seeds; ratios paired by seed. "
+             "Recompute rate: missed prompt tokens over prompt tokens (prefilled again). Load imbalance: the most "
              "calls served by one replica over the mean. Migrations: calls routed away from their workflow's "
              "previous replica. The total GPU KV capacity is the same at every replica count (split evenly).")
     best = "\n".join(named) or f"No runs at {at} replicas on {', '.join(workloads)}."
@@ -536,13 +638,15 @@ def build(paths: list[str], out: Path) -> Path:
     with atomic_dir(out, COMMAND, inputs=paths) as tmp:
         regret_md, fits = regret_fit(rows)
         plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
+        optional = [("## Prediction noise: regret and its linear fit", regret_md),
+                    ("## Robust PBKV: adaptive trust per seed", robust_section(rows)),
+                    ("## KV pruning (IntentKV)", kv_table(rows)),
+                    ("## A cluster: replicas x routing x eviction", cluster_section(rows))]
         md = "\n\n".join([
             "# PBKV report",
             f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
             "## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows),
-            "## Prediction noise: regret and its linear fit", regret_md,
-            "## KV pruning (IntentKV)", kv_table(rows),
-            "## A cluster: replicas x routing x eviction", cluster_section(rows),
+            *(part for heading, body in optional if body for part in (heading, body)),  # sections these runs have
             "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
             "## Results by setting", SETTING_NOTE, setting_tables(rows),
         ]) + "\n"

@@ -27,27 +27,36 @@ import yaml
 from data import REPO
 from data.atomic import atomic_file, write_json
 
-KINDS = ("data", "train", "evaluate")
+KINDS = ("data", "train", "evaluate", "server")
 
 
 def load_plan(path: Path) -> list[dict]:
     steps = yaml.safe_load(path.read_text())["steps"]
     for step in steps:
-        if step.get("kind") not in KINDS or not step.get("name") or not step.get("command"):
-            raise ValueError(f"{path}: step {step!r} needs a name, a kind in {KINDS} and a command")
+        command = step.get("command")  # one command, or a list run in order (one step's runs under one folder)
+        commands_ok = all(isinstance(c, str) and c for c in (command if isinstance(command, list) else [command]))
+        if step.get("kind") not in KINDS or not step.get("name") or not command or not commands_ok:
+            raise ValueError(f"{path}: step {step!r} needs a name, a kind in {KINDS} and a command "
+                             "(or a list of commands)")
     return steps
 
 
+def step_commands(step: dict) -> list[str]:
+    return step["command"] if isinstance(step["command"], list) else [step["command"]]
+
+
 def run_steps(steps: list[dict], runs: Path) -> None:
-    """Run each step's command from the repository root, with RUNS substituted; record wall times."""
+    """Run each step's commands from the repository root, with RUNS substituted; record wall times."""
     record_file = runs / "steps.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     for step in steps:
-        command = step["command"].replace("RUNS", str(runs))
-        print(f"== {step['name']}: {command}", flush=True)
         start = time.perf_counter()
-        subprocess.run([sys.executable, *shlex.split(command)], cwd=REPO, check=True)
-        record[step["name"]] = {"command": f"python {step['command']}", "wall_s": round(time.perf_counter() - start, 1),
+        for command in step_commands(step):
+            command = command.replace("RUNS", str(runs))
+            print(f"== {step['name']}: {command}", flush=True)
+            subprocess.run([sys.executable, *shlex.split(command)], cwd=REPO, check=True)
+        record[step["name"]] = {"command": "\n".join(f"python {c}" for c in step_commands(step)),
+                                "wall_s": round(time.perf_counter() - start, 1),
                                 "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
         write_json(record_file, record)
 
@@ -92,6 +101,12 @@ def evaluate_section(step: dict, runs: Path, record: dict, out: Path) -> str:
     return "\n\n".join([f"### {step['title']}", step.get("about", ""), commands([step], record), md])
 
 
+def server_section(step: dict, runs: Path, record: dict) -> str:
+    """A run on real servers (experiments.validate_sim): its report.md, inlined."""
+    report = (runs / "server" / step["name"] / "report.md").read_text()
+    return "\n\n".join([f"### {step['title']}", step.get("about", ""), commands([step], record), report])
+
+
 def shown(path: Path) -> str:
     """A path as the page shows it: relative to the repository when inside it."""
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
@@ -101,8 +116,10 @@ def commands(steps: list[dict], record: dict) -> str:
     lines = []
     for step in steps:
         done = record.get(step["name"], {})
-        lines.append(f"    {done.get('command', 'python ' + step['command'])}"
-                     f"    # {done.get('wall_s', '?')} s, {done.get('finished', 'not run')}")
+        planned = "\n".join(f"python {c}" for c in step_commands(step))
+        *first, last = done.get("command", planned).split("\n")
+        lines += [f"    {c}" for c in first]
+        lines.append(f"    {last}    # {done.get('wall_s', '?')} s, {done.get('finished', 'not run')}")
     return "Made by (from the repository root; RUNS is the runs folder):\n\n" + "\n".join(lines)
 
 
@@ -123,11 +140,9 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
     if by_kind["evaluate"]:
         sections.append("## Cache policies in the simulator")
         sections += [evaluate_section(step, runs, record, out) for step in by_kind["evaluate"]]
-    if (out.parent / "results" / "validate_sim.md").is_file():
-        sections.append("## The simulator against a real SGLang server\n\nNot a step of this plan (it needs a "
-                        "quiet machine for about 10 minutes): the record of one run of `python -m "
-                        "serving_integration.experiments.validate_sim`, with its command, is "
-                        "[results/validate_sim.md](results/validate_sim.md).")
+    if by_kind["server"]:
+        sections.append("## Real SGLang servers on this CPU against the simulator")
+        sections += [server_section(step, runs, record) for step in by_kind["server"]]
     with atomic_file(out) as tmp:
         tmp.write_text("\n\n".join(s for s in sections if s) + "\n")
     return out

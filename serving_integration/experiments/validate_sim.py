@@ -14,6 +14,13 @@ rate on both sides; summary.json keeps both rows of every policy.
 
 Without --checkpoint, pbkv's predictor is the first-order Markov chain fitted on the train split
 (models.markov, as evaluate.py does without predictor.checkpoint), saved once under --out.
+
+Latency: with `--calibrate-split val` (the default) it first replays the first N workflows of that
+split under lru on a fresh server and fits the cost model to those calls (experiments.calibrate),
+so the simulated latencies of the compared runs (other workflows, every policy) are predictions on
+runs the fit never saw, made on the machine as it is now. `--write-preset` also writes the fit to
+conf/cost_model/cpu-tiny-llama.yaml; `--calibrate-split none` uses that preset as it is. Besides
+summary.json, --out gets report.md (the table, the checks and the command) for the results page.
 """
 
 from __future__ import annotations
@@ -123,21 +130,22 @@ def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_siz
                      routing=routing if replicas > 1 else "none")
 
 
-def cpu_cost_model(speedup: float = 1.0):
-    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate); with speedup F, a
-    machine F times as fast (step overhead / F, mfu and bandwidth efficiency x F): the preset was
-    fitted on a loaded machine, and a replay's hit rates depend on how its calls overlap."""
-    import dataclasses
-
+def cpu_cost_model():
+    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
     import yaml
     from hydra.utils import instantiate
 
     path = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml"
-    cost = instantiate(yaml.safe_load(path.read_text()))
-    if speedup != 1.0:
-        cost = dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup, mfu=cost.mfu * speedup,
-                                   bandwidth_efficiency=cost.bandwidth_efficiency * speedup)
-    return cost
+    return instantiate(yaml.safe_load(path.read_text()))
+
+
+def sped_up(cost, speedup: float):
+    """The cost model of a machine `speedup` times as fast (step overhead / F, mfu and bandwidth
+    efficiency x F): a replay's hit rates depend on how its calls overlap in time."""
+    import dataclasses
+
+    return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup, mfu=cost.mfu * speedup,
+                               bandwidth_efficiency=cost.bandwidth_efficiency * speedup)
 
 
 def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_time_scale: float = 0.1,
@@ -170,6 +178,7 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
 # -------------------------------------------------------------------- the comparison
 
 TOLERANCE = 0.05  # device hit rates should agree within 5 points per policy
+LATENCY_TOLERANCE = 0.25  # simulated mean workflow latency within 25% of the measured one
 METRICS = (("hit_rate", "device hit rate"), ("host_hit_rate", "host hit rate"), ("miss_tokens", "recomputed tokens"),
            ("mean_workflow_latency_s", "mean workflow latency (s)"))
 
@@ -189,13 +198,17 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
             line[f"sim_{key}"] = _host_rate(s) if key == "host_hit_rate" else s[key]
         line["prompt_tokens"] = (r["prompt_tokens"], s["prompt_tokens"])
         lines.append(line)
+    for line in lines:
+        real = line["real_mean_workflow_latency_s"]
+        line["latency_error"] = (line["sim_mean_workflow_latency_s"] - real) / real if real else float("nan")
     order = {side: [l["policy"] for l in sorted(lines, key=lambda l: -l[f"{side}_hit_rate"])] for side in ("real", "sim")}
     return {"rows": lines, "order": order, "same_order": order["real"] == order["sim"],
-            "max_hit_rate_gap": max(abs(l["real_hit_rate"] - l["sim_hit_rate"]) for l in lines)}
+            "max_hit_rate_gap": max(abs(l["real_hit_rate"] - l["sim_hit_rate"]) for l in lines),
+            "max_latency_error": max(abs(l["latency_error"]) for l in lines)}
 
 
 def format_comparison(table: dict) -> str:
-    header = ["policy"] + [f"{name} real / sim" for _, name in METRICS]
+    header = ["policy"] + [f"{name} real / sim" for _, name in METRICS] + ["latency error"]
     out = [" | ".join(header), " | ".join("---" for _ in header)]
     for line in table["rows"]:
         cells = [line["policy"]]
@@ -207,10 +220,13 @@ def format_comparison(table: dict) -> str:
                 cells.append(f"{real:,} / {sim:,}")
             else:
                 cells.append(f"{real:.2f} / {sim:.2f}")
+        cells.append(f"{line['latency_error']:+.1%}")
         out.append(" | ".join(cells))
     out.append(f"order by device hit rate: real {' > '.join(table['order']['real'])}; "
                f"simulated {' > '.join(table['order']['sim'])} ({'same' if table['same_order'] else 'DIFFERENT'})")
     out.append(f"largest device hit-rate gap: {table['max_hit_rate_gap']:.1%} (tolerance {TOLERANCE:.0%})")
+    out.append(f"largest mean-workflow-latency error: {table['max_latency_error']:.1%} "
+               f"(tolerance {LATENCY_TOLERANCE:.0%})")
     return "\n".join(out)
 
 
@@ -244,25 +260,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--tool-time-scale", type=float, default=0.1)
     p.add_argument("--health-timeout", type=float, default=240.0)
-    p.add_argument("--real-from", help="an earlier run's summary.json: compare its real rows (same data and "
-                                       "settings) with a new simulation instead of starting servers")
+    p.add_argument("--calibrate-split", default="val",
+                   help="fit the cost model on an lru run of this split's first N workflows first ('none': use the preset)")
+    p.add_argument("--write-preset", action="store_true", help=f"also write that fit to conf/cost_model/{CPU_COST_MODEL}.yaml")
     p.add_argument("--cost-speedup", type=float, default=1.0,
-                   help="simulate a machine this many times as fast as the cpu-tiny-llama preset's")
+                   help="simulate a machine this many times as fast as the cost model says (a diagnostic)")
+    p.add_argument("--real-from", help="an earlier run's summary.json: compare its real rows (same data and "
+                                       "settings) with a new simulation instead of starting the compared servers")
     p.add_argument("--replicas", type=int, default=1,
                    help="servers behind sglang-router (server/cluster.py); --gpu-tokens is their total")
     p.add_argument("--routing", default="sticky",
                    help="with --replicas > 1, comma-separated routings: round_robin, cache_aware, sticky, pbkv "
                         "(each with each policy; the simulator's sim.routing of the same name)")
-    p.add_argument("--out", required=True, help="summary.json, per-policy calls.jsonl and server logs")
+    p.add_argument("--out", required=True, help="summary.json, report.md, per-policy calls.jsonl and server logs")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def save_calls(path: Path, results) -> None:
     from dataclasses import asdict
 
+    from data.formats import write_jsonl_atomic
+
+    write_jsonl_atomic(path, ({k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results))
+
+
+def calibrated_cost_model(ds, args, out: Path):
+    """Replay the calibration split's first N workflows under lru, fit the cost model to those calls
+    (experiments.calibrate) and return it with a line describing the fit."""
+    from serving_integration.experiments import calibrate
+    from serving_integration.experiments.bench import replay_workflows
+    from serving_integration.server.tiny_model import DEFAULT_DIR
+
+    workflows = replay_workflows(ds.rows(args.calibrate_split))[: args.n_workflows or None]
+    run = real_run(workflows, "lru", gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
+                   concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, log_dir=out / "calibration",
+                   health_timeout_s=args.health_timeout)
+    save_calls(out / "calibration" / "calls-lru.jsonl", run["results"])
+    preset = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml" if args.write_preset else out / "calibration" / "cost_model.yaml"
+    cost, report = calibrate.fit_preset(out / "calibration" / "calls-lru.jsonl", preset, name=CPU_COST_MODEL,
+                                        model_dir=DEFAULT_DIR, peak_flops=calibrate.CPU_PEAK_FLOPS,
+                                        mem_bandwidth=calibrate.CPU_MEM_BANDWIDTH,
+                                        pcie_bandwidth=calibrate.CPU_COPY_BANDWIDTH)
+    about = (f"cost model fitted on an lru run of the {args.calibrate_split} split's first {len(workflows)} workflows "
+             f"(written to {preset.relative_to(CONF_DIR.parent) if args.write_preset else preset.name}); "
+             + calibrate.describe(cost, report).replace("\n", "; "))
+    return cost, about
+
+
+def write_report(out: Path, table: dict, about: list[str]) -> None:
+    """report.md for the results page: what was replayed, the table and the checks."""
+    from data.atomic import atomic_file
+
+    text = "\n\n".join([*about, format_comparison(table)]) + "\n"
+    with atomic_file(out / "report.md") as tmp:
+        tmp.write_text(text)
+
+
+def main(argv=None) -> int:
     from data import store
     from data.atomic import write_json
-    from data.formats import write_jsonl_atomic
     from models import load_predictor
     from serving_integration.experiments.bench import replay_workflows
 
@@ -286,7 +342,13 @@ def main(argv=None) -> int:
     if bad or not routings:
         print(f"error: --routing takes round_robin, cache_aware, sticky, pbkv; not {bad}", file=sys.stderr)
         return 2
-    cost = cpu_cost_model(args.cost_speedup)
+    if args.calibrate_split == "none":
+        cost, about = cpu_cost_model(), f"cost model: conf/cost_model/{CPU_COST_MODEL}.yaml as committed"
+    else:
+        cost, about = calibrated_cost_model(ds, args, out)
+    if args.cost_speedup != 1.0:
+        cost, about = sped_up(cost, args.cost_speedup), f"{about}; simulated {args.cost_speedup:g}x as fast"
+    print(about, flush=True)
     real, sim = {}, {}
     earlier = None
     if args.real_from:
@@ -310,8 +372,7 @@ def main(argv=None) -> int:
                            concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
                            log_dir=out, health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing)
             real[name] = run["row"]
-            write_jsonl_atomic(out / f"calls-{name}.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
-                                                             for r in run["results"]))
+            save_calls(out / f"calls-{name}.jsonl", run["results"])
             where = ""
             if args.replicas > 1:
                 where = (f"; per replica real calls {[r['requests'] for r in run['replicas']]} (with end signals), "
@@ -321,7 +382,14 @@ def main(argv=None) -> int:
                   f"replay {run['replay_s']:.0f} s), simulated {sim[name]['hit_rate']:.1%}{where}", flush=True)
     table = compare(real, sim)
     write_json(out / "summary.json", {"real": list(real.values()), "sim": list(sim.values()), "comparison": table,
-                                      "config": {**vars(args), "checkpoint": checkpoint}})
+                                      "config": {**vars(args), "checkpoint": checkpoint}, "cost_model": about})
+    replayed = (f"{len(workflows)} {args.split} workflows ({sum(len(wf) for wf in workflows)} calls), "
+                f"{args.gpu_tokens:,} device tokens, host pool {args.hicache_ratio:g}x, concurrency {args.concurrency}, "
+                f"tool times x{args.tool_time_scale:g}; "
+                + (f"a fresh server per policy." if args.replicas == 1 else
+                   f"{args.replicas} replicas (the device tokens in total) behind sglang-router, a fresh cluster "
+                   f"per routing and policy."))
+    write_report(out, table, [replayed, about])
     print(format_comparison(table))
     failed = sum(r["failed_calls"] for r in real.values())
     if failed:

@@ -22,6 +22,11 @@ to the tiny random Llama of tiny_model.py (built on first use), the server gets 
 --hicache-mem-layout layer_first --disable-overlap-schedule`), the environment
 `SGLANG_USE_CPU_ENGINE=1` and `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python`, and a PYTHONPATH of
 cpu_support/ (a stand-in sgl_kernel and the torchvision guard, see its README.md) and this repository.
+Its compute threads are `OMP_NUM_THREADS=--cpu-threads` (default 1): the stand-in sgl_kernel cannot
+bind threads to cores as SGLang's CPU kernels do, and with torch's default (one thread per core)
+a server sharing the cores with another process (a second replica, the bench client, a test run)
+spins its OpenMP threads against it, measured 6-8x slower per replay on 2 cores
+(docs/serving.md, "SGLang on a CPU").
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--cpu", action="store_true", help="serve on the CPU (tiny model, CPU flags, cpu_support/)")
     p.add_argument("--max-total-tokens", type=int,
                    help="device KV pool in tokens (default with --cpu: 32000; else SGLang's memory fraction)")
+    p.add_argument("--cpu-threads", type=int, default=1, help="--cpu: OMP_NUM_THREADS of the server (default 1)")
     p.add_argument("--tiny-model-dir", default=None,
                    help="--cpu: where the tiny model is built/cached (default .cache/pbkv/models/tiny-llama)")
     p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + SGLANG_POLICIES)
@@ -78,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error("--model-path is required (or --cpu for the tiny CPU model)")
     if args.cpu and args.max_total_tokens is None:
         args.max_total_tokens = 32000
+    if args.cpu_threads < 1:
+        p.error(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
     return args, extra
 
 
@@ -118,6 +126,7 @@ def server_env(args: argparse.Namespace, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     if args.cpu:
         env.update(CPU_ENV)
+        env["OMP_NUM_THREADS"] = str(args.cpu_threads)
         paths = [str(CPU_SUPPORT), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.pop("PYTHONPYCACHEPREFIX", None)  # sglang's imports cost 3x CPU with it

@@ -1,0 +1,63 @@
+"""The cost-model fit (experiments.calibrate) recovers the parameters that made a run's timings."""
+
+import json
+
+import numpy as np
+import pytest
+
+from serving_integration.experiments import calibrate
+from serving_integration.simulator.cost_model import CostModel
+
+SHAPE = {"name": "t", "params": 4.2e6, "layers": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 32, "dtype_bytes": 4,
+         "peak_flops": 1.66e11, "mem_bandwidth": 2e10, "pcie_bandwidth": 1e10}
+
+
+def synthetic_calls(truth: CostModel, n: int = 60, seed: int = 0, stalls: int = 0) -> list[dict]:
+    """Calls one after another (batch 1), timed by `truth`; `stalls` of them delayed 2 s (another process)."""
+    rng = np.random.default_rng(seed)
+    calls, clock = [], 0.0
+    for i in range(n):
+        prompt = int(rng.integers(200, 3000))
+        cached = int(rng.integers(0, prompt))
+        host = int(rng.integers(0, cached + 1))
+        out = int(rng.integers(2, 40))
+        ttft = truth.prefill_s(prompt - cached, cached) + truth.pcie_s(host) + truth.step_overhead_s
+        decode = (out - 1) * truth.decode_step_s(1, prompt + out / 2)
+        if i < stalls:
+            decode += 2.0
+        calls.append({"ok": True, "prompt_tokens": prompt, "cached_tokens": cached, "host_tokens": host,
+                      "completion_tokens": out, "ttft_s": ttft, "latency_s": ttft + decode,
+                      "start_s": clock, "end_s": clock + ttft + decode})
+        clock += ttft + decode + 0.01
+    return calls
+
+
+@pytest.mark.parametrize("stalls", [0, 3])
+def test_fit_recovers_the_timings_parameters(stalls):
+    truth = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=0.02, pcie_efficiency=0.005, step_overhead_s=0.01)
+    cost, report = calibrate.fit(synthetic_calls(truth, stalls=stalls), SHAPE)
+    assert cost.mfu == pytest.approx(0.3, rel=0.1)
+    assert cost.step_overhead_s == pytest.approx(0.01, rel=0.15)
+    assert cost.pcie_efficiency == pytest.approx(0.005, rel=0.15)
+    assert report["success"]
+
+
+def test_a_parameter_the_run_cannot_see_is_named(tmp_path):
+    """With a tiny decode memory term, bandwidth_efficiency ends on its bound: the preset says so."""
+    truth = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=1.0, pcie_efficiency=0.05, step_overhead_s=0.01)
+    path = tmp_path / "calls.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in synthetic_calls(truth)))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2,
+                                                         "num_key_value_heads": 2, "hidden_size": 128}))
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(1000, 128), "lm_head.weight": torch.zeros(1000, 128)},
+              str(model_dir / "model.safetensors"))
+    assert calibrate.model_shape(model_dir)["params"] == 1000 * 128  # the input embedding is a lookup
+    cost, report = calibrate.fit_preset(path, tmp_path / "preset.yaml", model_dir=model_dir, peak_flops=1.66e11,
+                                        mem_bandwidth=2e10, pcie_bandwidth=1e10)
+    assert "bandwidth_efficiency" in report["at_bounds"]
+    assert "not identified" in (tmp_path / "preset.yaml").read_text()
