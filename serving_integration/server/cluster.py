@@ -32,7 +32,7 @@ import signal
 import sys
 from pathlib import Path
 
-from serving_integration.server.launch import LocalProcess, LocalServer, free_port
+from serving_integration.server.launch import LocalProcess, LocalServer, free_port, split_at_dashes
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"  # sglang-router 0.3.2, manual policy: same key -> same worker
 TARGET_WORKER_HEADER = "x-smg-target-worker"  # sglang-router 0.3.2, consistent_hashing: worker index
@@ -227,11 +227,7 @@ def request_count(url: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launch: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, launch = argv[:cut], argv[cut + 1:]
+    argv, launch = split_at_dashes(argv)
     p = argparse.ArgumentParser(prog="python -m serving_integration.server.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)

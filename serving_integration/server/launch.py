@@ -51,12 +51,17 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampli
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+def split_at_dashes(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """The command line (default sys.argv) before and after its first `--` (what is passed on)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv, extra = split_at_dashes(argv)
     p = argparse.ArgumentParser(prog="python -m serving_integration.server.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="required without --cpu; with --cpu default: the tiny random Llama")
