@@ -104,3 +104,15 @@ def test_robustness_check_is_per_seed_against_its_criteria():
     assert "+8.0 / +9.0 / +10.0" in markov and markov.rstrip(" |").endswith("yes")
     top1 = predictor_check(rows)
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
+
+
+def test_no_gain_to_keep_is_met_only_when_adaptive_is_no_worse_than_always():
+    """Where always does not beat LRU there is no gain to keep: adaptive must then not fall below always."""
+    from serving_integration.experiments.report import robustness_check
+
+    base = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.20, 0.20, 0.20])]
+    always = robust_row("pbkv", [0.195, 0.19, 0.20], "always", "graphsage")
+    same = robustness_check(base + [robust_row("pbkv", [0.195, 0.19, 0.20], "adaptive", "graphsage"), always])
+    assert "no gain / no gain / no gain" in same and same.rstrip(" |\n").endswith("yes")
+    worse = robustness_check(base + [robust_row("pbkv", [0.195, 0.185, 0.20], "adaptive", "graphsage"), always])
+    assert worse.rstrip(" |\n").endswith("**no**")
