@@ -527,6 +527,8 @@ def write_summary(out: Path, row: dict, config: dict, append: bool) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from serving_integration.cache.router import ROUTERS
+
     p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:30000", help="any SGLang endpoint (its /generate)")
@@ -554,7 +556,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-format", choices=("native", "chat"), default="native",
                    help="native keeps segment ids and the token counts sent; chat re-counts message text")
     p.add_argument("--seed", type=int, default=0, help="recorded in the row (the replay is deterministic)")
-    p.add_argument("--routing", default="none", choices=("none", "round_robin", "cache_aware", "sticky", "pbkv"),
+    p.add_argument("--routing", default="none", choices=list(ROUTERS),
                    help="behind sglang-router (server/cluster.py): sticky sends the workflow id as the routing "
                         "key, pbkv the target worker chosen by the PBKV router; the others send nothing")
     p.add_argument("--worker-urls", nargs="*", default=[],

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from data import CONF_DIR
 from serving_integration.cache.policies import PLUGIN_POLICIES
+from serving_integration.cache.router import ROUTERS
 
 SGLANG_CHUNKED_PREFILL = 4096  # SGLang 0.5.23's chunked_prefill_size on a CPU (its startup log)
 CPU_COST_MODEL = "cpu-tiny-llama"
@@ -338,9 +339,9 @@ def main(argv=None) -> int:
     checkpoint = args.checkpoint or str(fitted_markov(ds.rows("train"), out / "markov" / "predictor.pt"))
     predictor = load_predictor(checkpoint)
     routings = [r.strip() for r in args.routing.split(",") if r.strip()] if args.replicas > 1 else ["none"]
-    bad = [r for r in routings if r not in ("round_robin", "cache_aware", "sticky", "pbkv", "none")]
+    bad = [r for r in routings if r not in ROUTERS]
     if bad or not routings:
-        print(f"error: --routing takes round_robin, cache_aware, sticky, pbkv; not {bad}", file=sys.stderr)
+        print(f"error: --routing takes {', '.join(r for r in ROUTERS if r != 'none')}; not {bad}", file=sys.stderr)
         return 2
     if args.calibrate_split == "none":
         cost, about = cpu_cost_model(), f"cost model: conf/cost_model/{CPU_COST_MODEL}.yaml as committed"
