@@ -53,7 +53,6 @@ def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 
     per-call results, the plugin's state (from /server_info; the first replica's in a cluster) and
     the start and replay times; in a cluster also per-replica stats and which replica served each
     call (`served_by`, from the plugins' recent tags)."""
-    from serving_integration.experiments import bench
     from serving_integration.server.cluster import LocalCluster
     from serving_integration.server.launch import LocalServer
 
@@ -387,7 +386,7 @@ def main(argv=None) -> int:
     replayed = (f"{len(workflows)} {args.split} workflows ({sum(len(wf) for wf in workflows)} calls), "
                 f"{args.gpu_tokens:,} device tokens, host pool {args.hicache_ratio:g}x, concurrency {args.concurrency}, "
                 f"tool times x{args.tool_time_scale:g}; "
-                + (f"a fresh server per policy." if args.replicas == 1 else
+                + ("a fresh server per policy." if args.replicas == 1 else
                    f"{args.replicas} replicas (the device tokens in total) behind sglang-router, a fresh cluster "
                    f"per routing and policy."))
     write_report(out, table, [replayed, about])
