@@ -1,0 +1,56 @@
+"""data.knobs: one dataclass per component holds each knob's default, help and range."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+from omegaconf import OmegaConf
+
+from data.errors import ConfigError
+from data.knobs import above, at_least, build, check, each, help_of, knob, one_of, probability
+
+
+@dataclass
+class Inner:
+    threshold: float = knob(0.3, "route by prefix match above this share", probability)
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass
+class Example:
+    count: int = knob(3, "how many", at_least(1))
+    rate: float = knob(0.5, "a share", above(0), probability)
+    mode: str = knob("a", "which mode", one_of(("a", "b")))
+    names: list = knob(None, "names", each(one_of(lambda: ("x", "y"))), factory=lambda: ["x"])
+    limit: Optional[int] = knob(None, "no limit when null", at_least(1))
+    inner: Inner = knob(None, "nested", factory=Inner)
+
+    def __post_init__(self):
+        check(self)
+
+
+def test_defaults_and_help_come_from_the_dataclass():
+    e = build(OmegaConf.create({}), Example, "ex")
+    assert (e.count, e.rate, e.mode, e.names, e.limit, e.inner.threshold) == (3, 0.5, "a", ["x"], None, 0.3)
+    assert help_of(Example, "rate") == "a share"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"count": 0}, "ex.count=0: Input should be greater than or equal to 1"),
+    ({"count": 2.5}, "ex.count=2.5: Input should be a valid integer"),
+    ({"count": True}, "ex.count=true: Input should be a valid integer"),
+    ({"rate": 0}, "ex.rate=0: Input should be greater than 0"),
+    ({"rate": float("nan")}, "ex.rate=nan: Input should be a finite number"),
+    ({"rate": 2.0}, "ex.rate=2.0: Input should be less than or equal to 1"),
+    ({"mode": "c"}, "ex.mode=c: should be one of a, b"),
+    ({"names": ["x", "z"]}, "ex.names[1]=z: should be one of x, y"),
+    ({"limit": 0}, "ex.limit=0: Input should be greater than or equal to 1"),
+    ({"inner": {"threshold": 5}}, "ex.inner.threshold=5: Input should be less than or equal to 1"),
+    ({"colour": 1}, "ex.colour: not a setting of ex (known: count, inner, limit, mode, names, rate)"),
+])
+def test_a_bad_value_is_one_line_naming_its_full_key(values, message):
+    with pytest.raises(ConfigError) as e:
+        build(OmegaConf.create(values), Example, "ex")
+    assert str(e.value) == message
