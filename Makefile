@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 
 DEMO_DIR := runs/demo
 
-.PHONY: setup demo test results serve clean
+.PHONY: setup demo test test-fast results serve clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ results: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The inner loop: every test but the real SGLang servers (`server`) and the end-to-end runs
+# (`slow`); the markers are defined in pyproject.toml, the layout in docs/install.md.
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not server"
 
 # A real SGLang 0.5.23 server on this machine's CPU (tiny random Llama, HiCache, the PBKV plugin):
 # `make serve POLICY=pbkv CHECKPOINT=runs/demo/train/graphsage/predictor.pt`; then replay workflows

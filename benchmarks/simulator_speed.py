@@ -9,7 +9,7 @@ time, simulated calls per second and the hit rate, then the offline upper bound 
 request sequence (its LP size and solve time, apart from the replay's); then times evict_gpu on trees of
 growing size, to show the per-eviction cost grows like log n (heap), not n (scan); then runs one
 insert / match / lock / unlock / evict stream through our tree and through SGLang 0.5.23's own
-`RadixCache` (CPU, `create_simulated`, as tests/test_radix_vs_sglang.py builds it) in this process
+`RadixCache` (CPU, `create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in this process
 and prints operations per second of each and ours / theirs.
 """
 

@@ -9,6 +9,8 @@ import pytest
 from serving_integration.experiments.presentation import row_label as label
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # every test runs evaluate.py in a subprocess (about 10 s to start)
+
 ROW_FIELDS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrency", "noise", "hit_rate", "gpu_hit_tokens",
               "host_hit_tokens", "miss_tokens", "prompt_tokens", "mean_workflow_latency_s", "p50_workflow_latency_s",
               "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s", "prefetch_precision",
@@ -123,3 +125,15 @@ def test_rows_carry_the_datasets_own_workload_name(tmp_path):
     # data=hover is the config's default; the dataset given by path is swebench
     summary, _ = evaluate(tmp_path / "run", f"data.path={data}", "policies=[lru]", cache=tmp_path)
     assert {r["workload"] for r in summary["rows"]} == {"swebench"}
+
+
+def test_evaluate_runs_a_cluster(tmp_path, cache):
+    summary, stdout = evaluate(tmp_path / "run", "sim.replicas=2", "sim.routing=pbkv", "policies=[lru,pbkv]",
+                               "pbkv.trust=adaptive", "prefetch=[none]", cache=cache)
+    rows = summary["rows"]
+    assert [(r["policy"], r["replicas"], r["routing"]) for r in rows] == [("lru", 2, "pbkv"), ("pbkv", 2, "pbkv")]
+    for r in rows:
+        assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
+        assert sum(r["replica_calls"]) == r["calls"] and r["load_imbalance"] >= 1.0
+        assert r["predictor"] == "markov"  # the pbkv router reads the learned predictor, whatever evicts
+    assert "2 replicas (gpu_tokens in total), routing=pbkv" in stdout

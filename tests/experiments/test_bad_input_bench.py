@@ -6,11 +6,12 @@ import pytest
 from serving_integration.experiments import bench
 
 
-@pytest.fixture
-def dataset(tmp_path):
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """One dataset for the module (generating it takes seconds); every test leaves it as it was."""
     from data import generate
 
-    out = tmp_path / "ds"
+    out = tmp_path_factory.mktemp("bench-input") / "ds"
     assert generate.main([f"out={out}", "n_workflows=4"]) == 0
     return out
 
@@ -43,8 +44,8 @@ def test_no_such_dataset(tmp_path, capsys):
 @pytest.mark.parametrize("flag", ["--out", "--save-trace"])
 def test_outputs_over_the_dataset(dataset, tmp_path, capsys, monkeypatch, flag):
     monkeypatch.setattr(bench, "ClosedLoopReplay", lambda *a, **k: pytest.fail("replayed into its input"))
-    before = listing(tmp_path)
-    for target in (dataset, tmp_path):
+    before = listing(tmp_path), listing(dataset.parent)
+    for target in (dataset, dataset.parent):
         argv = ["--data", str(dataset), "--out", str(tmp_path / "o")]
         argv += [flag, str(target)] if flag == "--save-trace" else []
         if flag == "--out":
@@ -52,7 +53,7 @@ def test_outputs_over_the_dataset(dataset, tmp_path, capsys, monkeypatch, flag):
         assert bench.main(argv) == 1
         err = capsys.readouterr().err
         assert ("is also an input" in err or "holds the input" in err) and len(err.splitlines()) == 1
-    assert listing(tmp_path) == before
+    assert (listing(tmp_path), listing(dataset.parent)) == before
 
 
 def test_out_is_a_file(dataset, tmp_path, capsys, monkeypatch):

@@ -1,18 +1,15 @@
-"""train.py with bad settings, outputs over its input, and hostile checkpoint files."""
+"""train.py with bad settings and outputs over its input (hostile checkpoint files:
+tests/models/test_bad_input_checkpoint.py)."""
 
-import pathlib
-import subprocess
 import sys
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 import train as train_py
 from data.cli import compose_config
 from data.config_checks import train_schema, validate
 from data.errors import run_reported
-from models.checkpoint import CheckpointError, load_predictor, read_checkpoint
 from tests.conftest import REPO, assert_bad_setting, refused_over_its_dataset
 
 CASES = [
@@ -65,32 +62,3 @@ def test_command_line_exit_status_2_and_no_traceback(tmp_path, capsys, monkeypat
     assert "Traceback" not in err
     assert "error: datamodule.batch_size=0: Input should be greater than or equal to 1" in err
     assert not (tmp_path / "run" / "predictor.pt").exists() and not (tmp_path / "run" / "metrics.json").exists()
-
-
-class Hostile:
-    """Unpickling it calls Path.touch: any code could run the same way."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (pathlib.Path(self.marker),)
-
-
-def test_a_crafted_pickle_raises_and_runs_nothing(tmp_path):
-    from models.intentkv.train import load_residual_head
-
-    path, marker = tmp_path / "predictor.pt", tmp_path / "ran"
-    torch.save({"format": "x", "payload": Hostile(marker)}, path)
-    for load in (read_checkpoint, load_predictor, load_residual_head):
-        with pytest.raises(CheckpointError, match=f"{path}: not a readable"):
-            load(path)
-    assert not marker.exists()
-    torch.load(path, weights_only=False)  # the file is hostile indeed: a plain load runs its code
-    assert marker.exists()
-
-
-def test_no_loader_unpickles_code():
-    found = subprocess.run(["grep", "-rn", "--include=*.py", "weights_only=False", "data", "models",
-                            "serving_integration", "train.py", "evaluate.py"], cwd=REPO, capture_output=True, text=True)
-    assert found.stdout == ""

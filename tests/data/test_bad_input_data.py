@@ -8,7 +8,7 @@ import pytest
 
 from data import generate, import_traces, store
 from data.atomic import MARKER
-from tests.test_formats import chat_line, native_line
+from tests.data.test_formats import chat_line, native_line
 
 
 def listing(root):
@@ -60,6 +60,7 @@ def test_generate_never_replaces_a_folder_it_did_not_make(tmp_path, capsys):
     assert listing(tmp_path) == ["file", "mine", "mine/thesis.tex"]
 
 
+@pytest.mark.slow  # four generate runs
 def test_overwrite_replaces_only_its_own_output_and_an_interrupt_keeps_the_old(tmp_path, capsys, monkeypatch):
     out = tmp_path / "ds"
     assert generate.main([f"out={out}", "n_workflows=5"]) == 0

@@ -4,15 +4,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from data import store
 from tests.conftest import REPO, WHO_AND_WHEN
-from tests.test_formats import chat_line
+from tests.data.test_formats import chat_line
 
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a generate run in a subprocess
 def test_generate_writes_a_dataset(tmp_path):
     out = tmp_path / "hover"
     done = run("data.generate", "workload=hover", "n_workflows=50", "seed=0", f"out={out}")
@@ -31,6 +34,7 @@ def test_import_with_one_corrupted_line_fails_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls.jsonl"]
 
 
+@pytest.mark.slow  # three imports in subprocesses
 def test_import_native_and_chat_and_who_and_when(tmp_path):
     chat = tmp_path / "c.jsonl"
     chat.write_text("\n".join([chat_line(), chat_line(workflow_id="t2")]) + "\n")

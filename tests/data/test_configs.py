@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from data.config_checks import SCHEMAS, validate
+from tests.conftest import REPO
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = REPO / "conf"
 # the groups each root selects in its defaults list (experiments and debug configs belong to one root)
 ROOT_GROUPS = {
     "train": ["data", "model", "model/text_encoder", "trainer", "callbacks", "logger", "train_experiment",

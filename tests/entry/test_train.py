@@ -16,10 +16,10 @@ from data import store
 from data.generators import Hover
 from models import WorkflowPrefix, load_predictor, read_checkpoint
 from models.training import metric_keys, train
+from tests.conftest import REPO as ROOT
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*treespec")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*treespec")]
 
-ROOT = Path(__file__).resolve().parents[1]
 OFFLINE = {"WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(ROOT / ".cache" / "huggingface"), "TOKENIZERS_PARALLELISM": "false"}
 TINY = ["debug=train"]  # hashing text encoder, two epochs, batch 64, csv logger, 30 workflows

@@ -11,7 +11,7 @@ from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys
 from serving_integration.simulator.engine import SimConfig, Simulator, simulate
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.router import CacheAware, PBKVRouting, make_router
-from tests.test_simulator import H100
+from tests.simulator.test_simulator import H100
 
 ROUTINGS = ("round_robin", "cache_aware", "sticky", "pbkv")
 
@@ -189,22 +189,8 @@ def test_report_names_the_best_four_replica_combination(tmp_path):
     assert len(one_server) == 1 and "| none |" in one_server[0]  # one replica: routing cannot matter
 
 
-def test_evaluate_runs_a_cluster(tmp_path, tmp_path_factory):
-    from tests.test_evaluate import evaluate
-
-    summary, stdout = evaluate(tmp_path / "run", "sim.replicas=2", "sim.routing=pbkv", "policies=[lru,pbkv]",
-                               "pbkv.trust=adaptive", "prefetch=[none]", cache=tmp_path_factory.mktemp("data-cache"))
-    rows = summary["rows"]
-    assert [(r["policy"], r["replicas"], r["routing"]) for r in rows] == [("lru", 2, "pbkv"), ("pbkv", 2, "pbkv")]
-    for r in rows:
-        assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
-        assert sum(r["replica_calls"]) == r["calls"] and r["load_imbalance"] >= 1.0
-        assert r["predictor"] == "markov"  # the pbkv router reads the learned predictor, whatever evicts
-    assert "2 replicas (gpu_tokens in total), routing=pbkv" in stdout
-
-
 # -------------------------------------------------------------------- the real cluster's client side
-# (the servers themselves: tests/test_sglang_cluster.py)
+# (the servers themselves: tests/server/test_sglang_cluster.py)
 
 
 def test_client_replicas_route_with_the_pbkv_router_class():

@@ -27,6 +27,7 @@ def sweep(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", str(sweep), "--out", str(out)],

@@ -8,6 +8,7 @@ import yaml
 from serving_integration.experiments import results
 
 
+@pytest.mark.slow
 def test_plan_runs_and_page_names_its_commands(tmp_path, monkeypatch):
     monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
     plan = tmp_path / "plan.yaml"

@@ -12,7 +12,7 @@ from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
 from serving_integration.cache.workload import SimWorkflow, prefix_keys
 from serving_integration.simulator.engine import SimConfig, Simulator
-from tests.test_simulator import H100, small_workload
+from tests.simulator.test_simulator import H100, small_workload
 
 # tight enough that live workflows' cache is evicted before t (not only finished workflows', which
 # every policy may evict alike): a clairvoyant policy then decides differently when the future changes

@@ -11,7 +11,7 @@ import pytest
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.bound import intervals, upper_bound
 from serving_integration.simulator.engine import SimConfig, simulate
-from tests.test_simulator import H100, small_workload
+from tests.simulator.test_simulator import H100, small_workload
 
 
 def random_instance(rng: random.Random):

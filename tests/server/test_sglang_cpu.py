@@ -22,7 +22,7 @@ from models.base import vocabulary
 from models.markov import MarkovPredictor
 from serving_integration.experiments import bench, validate_sim
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore")]
 
 GPU_TOKENS = 2500  # the longest prompt is about 1,100 tokens: two run together, a third evicts
 SHORT_TOLERANCE = 0.08  # device hit-rate gap allowed in the short in-suite comparison (see below)

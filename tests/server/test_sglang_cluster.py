@@ -3,7 +3,7 @@ the PBKV plugin behind sglang-router 0.3.2 (serving_integration/server/cluster.p
 bench client under sticky routing (the workflow id as the routing key, the router's manual policy)
 and under pbkv routing (the PBKV router class picks the replica, the target-worker header names it).
 
-Sized for CI: the 4 small test workflows of tests/test_sglang_cpu.py (its fixtures), two per
+Sized for CI: the 4 small test workflows of tests/server/test_sglang_cpu.py (its fixtures), two per
 routing, one pair of servers (each with the 2,500-token device pool of that test) and one router
 per routing in front of them, so that the servers start once.
 """
@@ -17,9 +17,9 @@ import pytest
 
 from serving_integration.experiments import bench, validate_sim
 from serving_integration.server.cluster import LocalCluster
-from tests.test_sglang_cpu import CONCURRENCY, GPU_TOKENS, TOOL_TIME_SCALE, checkpoint, dataset  # noqa: F401
+from tests.server.test_sglang_cpu import CONCURRENCY, GPU_TOKENS, TOOL_TIME_SCALE, checkpoint, dataset  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore")]
 
 REPLICAS = 2
 ROUTINGS = ("sticky", "pbkv")

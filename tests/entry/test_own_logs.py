@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*treespec")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*treespec")]
 OFFLINE = {"WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 FAST_TRAINING = ["model/text_encoder=hashing", "trainer.max_epochs=2", "datamodule.batch_size=64"]
 SYSTEM = {"router": "You route help-desk tickets to the right specialist.",
