@@ -13,6 +13,8 @@ export HF_HOME := $(CURDIR)/.cache/huggingface
 export TOKENIZERS_PARALLELISM := false
 
 DEMO_DIR := runs/demo
+# The real traces ship in data/traces (compressed; PROVENANCE.md beside each); PBKV_TRACES_DIR may point at another copy.
+TRACES := $(or $(PBKV_TRACES_DIR),data/traces)
 
 .PHONY: setup demo test results serve clean
 
@@ -34,9 +36,9 @@ demo: setup
 	@for w in hover swebench financebench; do \
 	  $(PY) -m data.generate workload=$$w n_workflows=1000 seed=0 out=$(DEMO_DIR)/data/$$w overwrite=true || exit 1; \
 	done
-	@echo "== 2/5 import the real Who&When and tau-bench traces from ../shared/traces"
-	@$(PY) -m data.import_traces format=who_and_when src=../shared/traces/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
-	@$(PY) -m data.import_traces format=tau_bench src=../shared/traces/tau_bench/gpt-4o-airline.json out=$(DEMO_DIR)/data/tau_bench overwrite=true
+	@echo "== 2/5 import the real Who&When and tau-bench traces from $(TRACES)"
+	@$(PY) -m data.import_traces format=who_and_when src=$(TRACES)/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
+	@$(PY) -m data.import_traces format=tau_bench src=$(TRACES)/tau_bench/gpt-4o-airline.json out=$(DEMO_DIR)/data/tau_bench overwrite=true
 	@echo "== 3/5 train the GraphSAGE predictor on hover"
 	@$(PY) train.py model=graphsage data.path=$(DEMO_DIR)/data/hover logger=csv hydra.run.dir=$(DEMO_DIR)/train/graphsage
 	@echo "== 4/5 replay the hover test workflows under every policy (simulated Qwen3-14B on one H100)"
