@@ -16,7 +16,7 @@ DEMO_DIR := runs/demo
 # The real traces ship in data/traces (compressed; PROVENANCE.md beside each); PBKV_TRACES_DIR may point at another copy.
 TRACES := $(or $(PBKV_TRACES_DIR),data/traces)
 
-.PHONY: setup demo test results serve clean
+.PHONY: setup demo test results results-pages serve clean
 
 setup: $(STAMP)
 
@@ -45,12 +45,16 @@ demo: setup
 	@$(PY) evaluate.py data.path=$(DEMO_DIR)/data/hover predictor.checkpoint=$(DEMO_DIR)/train/graphsage/predictor.pt \
 	  "prefetch=[none,conservative]" hydra.run.dir=$(DEMO_DIR)/evaluate
 	@echo "== 5/5 build the report"
-	@$(PY) -m serving_integration.experiments.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
+	@$(PY) -m serving_integration.experiments.report "runs=[$(DEMO_DIR)/evaluate]" out=$(DEMO_DIR)/report
 
-# docs/results.md from runs: every step of conf/results.yaml (datasets, predictors, experiments) into
-# runs/results, then the page. OMP_NUM_THREADS=1: parallel sweep jobs would fight over torch's threads.
+# docs/results.md and docs/results/*.md from runs: every step of conf/results.yaml (datasets, predictors,
+# experiments, real servers, benchmarks) into runs/results, then the pages (and README's headline table).
+# OMP_NUM_THREADS=1: parallel sweep jobs would fight over torch's threads. results-pages: the pages only.
 results: setup
 	OMP_NUM_THREADS=1 $(PY) -m serving_integration.experiments.results
+
+results-pages: setup
+	$(PY) -m serving_integration.experiments.results render_only=true
 
 test: setup
 	$(PY) -m pytest
