@@ -901,6 +901,7 @@ def policy_bars(rows, out: Path, split: str = "test", groups: int = 8) -> list[t
     ranked = sorted({lab: r for k in keys for lab, r in by_setting[k].items()}.items(),
                     key=lambda item: (plot_rank(item[1]), item[0]))
     labels = [lab for lab, _ in ranked[:MAX_SERIES]]
+    seeded = any(len(per_seed(r, "hit_rate")) > 1 for k in keys for r in by_setting[k].values())
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.8 / len(labels)
     for i, lab in enumerate(labels):
@@ -909,12 +910,13 @@ def policy_bars(rows, out: Path, split: str = "test", groups: int = 8) -> list[t
         xs = np.arange(len(keys)) + (i - (len(labels) - 1) / 2) * width
         means, cis = np.array([m for m, _ in stats]), np.array([c or 0.0 for _, c in stats])
         below, above = np.minimum(cis, means), np.minimum(cis, 1 - means)  # a share stays in [0, 1]
-        ax.bar(xs, means, width, yerr=[below, above], capsize=2, label=lab, color=plt.cm.tab10.colors[i % 10])
+        ax.bar(xs, means, width, yerr=[below, above] if seeded else None, capsize=2, label=lab,
+               color=plt.cm.tab10.colors[i % 10])
     ax.set_xticks(np.arange(len(keys)), [setting_heading(k, varying).replace(", ", "\n") for k in keys], fontsize=7)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_ylabel("GPU hit rate")
     workloads = sorted({dict(zip(SETTING, k))["workload"] for k in keys})
-    title = f"{', '.join(workloads)}, {split} split: GPU hit rate by policy (95% interval)"
+    title = f"{', '.join(workloads)}, {split} split: GPU hit rate by policy" + (" (95% interval)" if seeded else ", one seed")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
