@@ -13,8 +13,10 @@ export HF_HOME := $(CURDIR)/.cache/huggingface
 export TOKENIZERS_PARALLELISM := false
 
 DEMO_DIR := runs/demo
+# The real traces ship in data/traces (compressed; PROVENANCE.md beside each); PBKV_TRACES_DIR may point at another copy.
+TRACES := $(or $(PBKV_TRACES_DIR),data/traces)
 
-.PHONY: setup demo test test-fast results serve clean
+.PHONY: setup demo test test-fast results results-pages serve clean
 
 setup: $(STAMP)
 
@@ -34,21 +36,25 @@ demo: setup
 	@for w in hover swebench financebench; do \
 	  $(PY) -m data.generate workload=$$w n_workflows=1000 seed=0 out=$(DEMO_DIR)/data/$$w overwrite=true || exit 1; \
 	done
-	@echo "== 2/5 import the real Who&When and tau-bench traces from ../shared/traces"
-	@$(PY) -m data.import_traces format=who_and_when src=../shared/traces/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
-	@$(PY) -m data.import_traces format=tau_bench src=../shared/traces/tau_bench/gpt-4o-airline.json out=$(DEMO_DIR)/data/tau_bench overwrite=true
+	@echo "== 2/5 import the real Who&When and tau-bench traces from $(TRACES)"
+	@$(PY) -m data.import_traces format=who_and_when src=$(TRACES)/who_and_when out=$(DEMO_DIR)/data/who_and_when overwrite=true
+	@$(PY) -m data.import_traces format=tau_bench src=$(TRACES)/tau_bench/gpt-4o-airline.json out=$(DEMO_DIR)/data/tau_bench overwrite=true
 	@echo "== 3/5 train the GraphSAGE predictor on hover"
 	@$(PY) train.py model=graphsage data.path=$(DEMO_DIR)/data/hover logger=csv hydra.run.dir=$(DEMO_DIR)/train/graphsage
 	@echo "== 4/5 replay the hover test workflows under every policy (simulated Qwen3-14B on one H100)"
 	@$(PY) evaluate.py data.path=$(DEMO_DIR)/data/hover predictor.checkpoint=$(DEMO_DIR)/train/graphsage/predictor.pt \
 	  "prefetch=[none,conservative]" hydra.run.dir=$(DEMO_DIR)/evaluate
 	@echo "== 5/5 build the report"
-	@$(PY) -m serving_integration.experiments.report $(DEMO_DIR)/evaluate --out $(DEMO_DIR)/report
+	@$(PY) -m serving_integration.experiments.report "runs=[$(DEMO_DIR)/evaluate]" out=$(DEMO_DIR)/report
 
-# docs/results.md from runs: every step of conf/results.yaml (datasets, predictors, experiments) into
-# runs/results, then the page. OMP_NUM_THREADS=1: parallel sweep jobs would fight over torch's threads.
+# docs/results.md and docs/results/*.md from runs: every step of conf/results.yaml (datasets, predictors,
+# experiments, real servers, benchmarks) into runs/results, then the pages (and README's headline table).
+# OMP_NUM_THREADS=1: parallel sweep jobs would fight over torch's threads. results-pages: the pages only.
 results: setup
 	OMP_NUM_THREADS=1 $(PY) -m serving_integration.experiments.results
+
+results-pages: setup
+	$(PY) -m serving_integration.experiments.results render_only=true
 
 test: setup
 	$(PY) -m pytest

@@ -2,6 +2,7 @@
 
     python -m benchmarks.predictor_latency runs/train/*/*/predictor.pt     # trained checkpoints
     python -m benchmarks.predictor_latency                                # untrained, from conf/model/*
+    python -m benchmarks.predictor_latency runs/train/families --json OUT.json   # every predictor.pt under it
 
 Prefixes are real ones: random (workflow, step) pairs of the data's test split (data=hover by
 default), with their task text. Text encoding is excluded, as in serving, where the hidden
@@ -22,7 +23,7 @@ from hydra import compose, initialize_config_dir
 
 from data import store
 from data import CONF_DIR
-from models import WorkflowPrefix, load_predictor
+from models import WorkflowPrefix, load_predictor, read_checkpoint
 from models.datamodule import workflows_of
 from models.training import build_predictor
 
@@ -59,8 +60,9 @@ def time_predict(predictor, prefixes, repeats: int) -> tuple[float, float]:
 
 
 def predictors(args) -> list[tuple[str, torch.nn.Module]]:
-    if args.checkpoints:
-        return [(str(path), load_predictor(path)) for path in args.checkpoints]
+    if args.checkpoints:  # a folder stands for every predictor.pt under it (a train.py sweep)
+        paths = [p for path in args.checkpoints for p in (sorted(path.rglob("predictor.pt")) if path.is_dir() else [path])]
+        return [(f"{read_checkpoint(path)['family']} ({path})", load_predictor(path)) for path in paths]
     built = []
     for family in args.families:
         _, predictor = build_predictor(train_config([f"data={args.data}", f"model={family}"]))
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64, 1024])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--json", help="also write the figures and table for the results page here")
     args = parser.parse_args()
 
     if args.threads:
@@ -86,6 +89,7 @@ def main() -> None:
           f"median (p90) ms per predict() call over {args.repeats} calls; text encoding excluded")
     header = f"{'predictor':<44} {'params':>9} " + " ".join(f"{f'B={b}':>16}" for b in args.batches)
     print(header)
+    measured = []
     for name, predictor in predictors(args):
         predictor.predict(prefixes)  # pre-warm: encodes every task string once
         cells = []
@@ -94,6 +98,21 @@ def main() -> None:
             cells.append(f"{median:8.3f} ({p90:6.3f})")
         label = name if len(name) <= 44 else "..." + name[-41:]
         print(f"{label:<44} {predictor.n_parameters():>9,} " + " ".join(f"{c:>16}" for c in cells))
+        family = name.split(" (")[0]
+        measured.append((family, predictor.n_parameters(), cells))
+    if args.json:
+        from data.atomic import write_json
+
+        head = ["predictor", "parameters"] + [f"B={b}: median (p90) ms" for b in args.batches]
+        write_json(args.json, {
+            "about": f"benchmarks/predictor_latency.py: Predictor.predict() on real prefixes of data={args.data}'s "
+                     f"test split, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} calls "
+                     "per batch size; text encoding excluded (as in serving).",
+            "figures": [{"name": f"predictor latency, {family} ({params:,} parameters)",
+                         "value": ", ".join(f"{c.split('(')[0].strip()} ms at B={b}" for b, c in zip(args.batches, cells))}
+                        for family, params, cells in measured],
+            "tables": [{"title": "", "head": head, "rows": [[f, f"{p:,}", *(x.strip() for x in c)]
+                                                            for f, p, c in measured]}]})
 
 
 if __name__ == "__main__":

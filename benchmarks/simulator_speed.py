@@ -33,7 +33,7 @@ H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_head
 
 
 def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, replicas: int = 1,
-                 routing: str = "none") -> None:
+                 routing: str = "none") -> dict:
     workflows = workflows_from_rows(WORKLOADS[workload]().generate(n, seed=0).calls)
     sequences = [[c.agent for c in w.calls] for w in workflows]
     names = vocabulary(a for s in sequences for a in s)
@@ -48,6 +48,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
           f"replicas={replicas}, routing={routing}")
     print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
           f"{'LP intervals':>12} {'LP rows':>8} {'nonzeros':>9}")
+    measured = []
     for label, kwargs in runs.items():
         fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
         started = time.perf_counter()
@@ -62,10 +63,17 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
         print(f"{label:>18} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
               f"{bound['bound_hit_rate']:7.1%} {bound_wall:8.2f} {bound['bound_intervals']:12d} "
               f"{bound['bound_rows']:8d} {bound['bound_nonzeros']:9d}")
+        measured.append({"policy": label, "wall_s": wall, "calls_per_s": calls / wall,
+                         "hit_rate": counters.gpu_hit_tokens / counters.prompt_tokens,
+                         "bound_hit_rate": bound["bound_hit_rate"], "bound_s": bound_wall,
+                         "bound_intervals": bound["bound_intervals"]})
+    return {"workload": workload, "workflows": n, "calls": calls, "gpu_tokens": gpu_tokens,
+            "concurrency": concurrency, "replicas": replicas, "routing": routing, "policies": measured}
 
 
-def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> None:
+def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> dict[int, float]:
     print("\nper-eviction cost of RadixTree.evict_gpu (LRU), microseconds, median of 5")
+    medians = {}
     for size in sizes:
         samples = []
         for trial in range(5):
@@ -80,7 +88,9 @@ def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> None:
             for _ in range(evictions):
                 tree.evict_gpu(1)
             samples.append((time.perf_counter() - started) / evictions * 1e6)
-        print(f"  {size:>7} leaves: {statistics.median(samples):6.2f} us per eviction")
+        medians[size] = statistics.median(samples)
+        print(f"  {size:>7} leaves: {medians[size]:6.2f} us per eviction")
+    return medians
 
 
 def tree_stream(n_ops: int = 20_000, seed: int = 0) -> list[tuple]:
@@ -156,7 +166,7 @@ def run_sglang(ops) -> int:
     return tree.total_size()
 
 
-def tree_vs_sglang(n_ops: int = 20_000) -> None:
+def tree_vs_sglang(n_ops: int = 20_000) -> dict:
     ops = tree_stream(n_ops)
     run_sglang(ops[:200])  # imports and first-call costs outside the timing
     timings = {}
@@ -172,6 +182,40 @@ def tree_vs_sglang(n_ops: int = 20_000) -> None:
     print(f"  our RadixTree:        {n_ops / ours:10,.0f} ops/s   (tokens cached at the end: {our_size:,})")
     print(f"  SGLang RadixCache:    {n_ops / theirs:10,.0f} ops/s   (tokens cached at the end: {their_size:,})")
     print(f"  ours / theirs:        {theirs / ours:10.2f}x")
+    return {"ops": n_ops, "ours_ops_per_s": n_ops / ours, "sglang_ops_per_s": n_ops / theirs, "ratio": theirs / ours}
+
+
+def results_json(speed: dict | None, evictions: dict | None, tree: dict) -> dict:
+    """The figures and tables of the results page (experiments.results, a `bench` step)."""
+    figures, tables = [], []
+    if speed:
+        by = {m["policy"]: m for m in speed["policies"]}
+        figures += [{"name": f"simulated calls/s, {name} ({speed['workload']}, {speed['calls']:,} calls)",
+                     "value": f"{by[name]['calls_per_s']:,.0f}"} for name in ("lru", "pbkv", "kvflow") if name in by]
+        slowest = max(speed["policies"], key=lambda m: m["bound_s"])
+        figures.append({"name": f"upper bound's LP solve ({slowest['bound_intervals']:,} intervals, HiGHS)",
+                        "value": f"{slowest['bound_s']:.2f} s (largest of the policies' runs)"})
+        tables.append({"title": f"{speed['workload']}: {speed['workflows']:,} workflows, {speed['calls']:,} calls, "
+                                f"{speed['gpu_tokens']:,} GPU tokens, {speed['concurrency']} live workflows",
+                       "head": ["policy", "wall s", "calls/s", "GPU hit rate", "upper bound", "bound solve s",
+                                "LP intervals"],
+                       "rows": [[m["policy"], f"{m['wall_s']:.2f}", f"{m['calls_per_s']:,.0f}", f"{m['hit_rate']:.1%}",
+                                 f"{m['bound_hit_rate']:.1%}", f"{m['bound_s']:.2f}", f"{m['bound_intervals']:,}"]
+                                for m in speed["policies"]]})
+    if evictions:
+        tables.append({"title": "one GPU eviction (LRU), median of 5", "head": ["evictable leaves", "us per eviction"],
+                       "rows": [[f"{n:,}", f"{us:.2f}"] for n, us in evictions.items()]})
+        largest = max(evictions)
+        figures.append({"name": f"one GPU eviction with {largest:,} evictable leaves", "value": f"{evictions[largest]:.1f} us"})
+    figures.append({"name": f"our radix tree against SGLang 0.5.23's RadixCache ({tree['ops']:,} operations)",
+                    "value": f"{tree['ours_ops_per_s']:,.0f} against {tree['sglang_ops_per_s']:,.0f} ops/s "
+                             f"({tree['ratio']:.2f}x)"})
+    tables.append({"title": "one operation stream through both trees (best of 3)", "head": ["tree", "ops/s"],
+                   "rows": [["ours (simulator/radix.py)", f"{tree['ours_ops_per_s']:,.0f}"],
+                            ["SGLang RadixCache", f"{tree['sglang_ops_per_s']:,.0f}"]]})
+    return {"about": "benchmarks/simulator_speed.py: the serving simulator per policy (perfect predictions for "
+                     "pbkv), one eviction as the tree grows, and our radix tree against SGLang's.",
+            "figures": figures, "tables": tables}
 
 
 def main() -> None:
@@ -185,12 +229,19 @@ def main() -> None:
     parser.add_argument("--no-eviction-cost", action="store_true", help="skip the evict_gpu timing")
     parser.add_argument("--tree-ops", type=int, default=20_000, help="operations of the tree-vs-SGLang stream")
     parser.add_argument("--only-tree-vs-sglang", action="store_true")
+    parser.add_argument("--json", help="also write the figures and tables for the results page here")
     args = parser.parse_args()
+    speed = evictions = None
     if not args.only_tree_vs_sglang:
-        policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency, args.replicas, args.routing)
+        speed = policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency, args.replicas,
+                             args.routing)
         if not args.no_eviction_cost:
-            eviction_cost()
-    tree_vs_sglang(args.tree_ops)
+            evictions = eviction_cost()
+    tree = tree_vs_sglang(args.tree_ops)
+    if args.json:
+        from data.atomic import write_json
+
+        write_json(args.json, results_json(speed, evictions, tree))
 
 
 if __name__ == "__main__":

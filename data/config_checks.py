@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from data import CONF_DIR
 from data.errors import ConfigError
+from data.published import located
 
 
 Positive = Annotated[int, Field(gt=0, strict=True)]
@@ -43,7 +44,8 @@ def one_of(names) -> AfterValidator:
 
 def _existing(kind: str):
     def check(value):
-        if value is not None and not (Path(value).is_dir() if kind == "dir" else Path(value).exists()):
+        # a file may also be found as its compressed copy NAME.gz (the traces in data/traces)
+        if value is not None and not (Path(value).is_dir() if kind == "dir" else located(value).exists()):
             raise ValueError(f"no such {'directory' if kind == 'dir' else 'file or directory'}")
         return value
     return AfterValidator(check)

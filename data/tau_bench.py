@@ -1,8 +1,8 @@
-"""Importer for tau-bench's published airline trajectories (shared/traces/tau_bench, MIT licence).
+"""Importer for tau-bench's published airline trajectories (data/traces/tau_bench, MIT licence).
 
 tau-bench (Yao et al., 2024, "tau-bench: A Benchmark for Tool-Agent-User Interaction in
 Real-World Domains") runs a tool-using service agent against an LLM-simulated user. The
-published file is one JSON list of runs; each run has `task_id`, `trial`, `info.task.instruction`
+published file is one JSON list of runs (read as published, or from its gzip copy `NAME.json.gz`); each run has `task_id`, `trial`, `info.task.instruction`
 (the simulated user's hidden instruction) and `traj`, the agent's message list in OpenAI chat
 format: one `system` message (the airline policy), then `user`, `assistant` (with `tool_calls`
 when it calls a tool) and `tool` entries.
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data.errors import Issue, TraceValidationError
 from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces
+from data.published import located, read_bytes
 from data.schema import Traces
 from data.tokenizer import TokenCounter
 
@@ -176,11 +177,13 @@ def run_to_chat_calls(run: _Run) -> list[ChatCall]:
 
 
 def _load_list(src: Path) -> list:
-    file = str(src)
+    file = str(located(src))
     try:
-        raw = src.read_bytes()
-    except OSError as e:
-        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror}")]) from e
+        raw = read_bytes(src)
+    except OSError as e:  # also gzip's BadGzipFile for a damaged compressed copy
+        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror or e}")]) from e
+    except EOFError as e:
+        raise TraceValidationError([Issue(file, None, "", f"cannot read: truncated gzip ({e})")]) from e
     try:
         runs = json.loads(raw)
     except UnicodeDecodeError as e:

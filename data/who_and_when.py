@@ -1,6 +1,6 @@
-"""Importer for the Who&When multi-agent traces (shared/traces/who_and_when, MIT licence).
+"""Importer for the Who&When multi-agent traces (data/traces/who_and_when, MIT licence).
 
-Each JSON file is one workflow: `question`, `history: [{name?, role, content}]` and, in the
+Each JSON file (`N.json`, or `N.json.gz` as the repository ships it) is one workflow: `question`, `history: [{name?, role, content}]` and, in the
 Algorithm-Generated (CaptainAgent / AG2 group chat) subset, a per-agent `system_prompt` dict.
 
 How a run becomes calls:
@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data.errors import Issue, TraceValidationError
+from data.published import published_name, read_bytes
 from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces
 from data.schema import Traces
 from data.tokenizer import TokenCounter
@@ -76,8 +77,16 @@ def run_to_chat_calls(run: _Run, workflow_id: str, workload: str) -> list[ChatCa
     return calls
 
 
-def _numeric_order(path: Path):
-    return (0, int(path.stem)) if path.stem.isdigit() else (1, path.stem)
+def _run_files(folder: Path) -> list[Path]:
+    """The subset's run files in numeric order, `N.json` or its compressed copy `N.json.gz` (not both)."""
+    files = {published_name(p): p for p in sorted(folder.glob("*.json.gz"))}
+    files.update({p.name: p for p in folder.glob("*.json")})
+    return [files[name] for name in sorted(files, key=_numeric_order)]
+
+
+def _numeric_order(name: str):
+    stem = name.removesuffix(".json")
+    return (0, int(stem)) if stem.isdigit() else (1, stem)
 
 
 def read_who_and_when(src: str | Path, counter: TokenCounter | None = None,
@@ -89,13 +98,13 @@ def read_who_and_when(src: str | Path, counter: TokenCounter | None = None,
     issues: list[Issue] = []
     records: list[tuple[int | None, ChatCall]] = []
     for subset in subsets:
-        for path in sorted((src / subset).glob("*.json"), key=_numeric_order):
+        for path in _run_files(src / subset):
             try:
-                run = _Run.model_validate_json(path.read_bytes())
+                run = _Run.model_validate_json(read_bytes(path))
             except ValidationError as e:
                 issues.extend(_issues_from(e, str(path), None))
                 continue
-            calls = run_to_chat_calls(run, f"{SUBSETS[subset]}-{path.stem}", SUBSETS[subset])
+            calls = run_to_chat_calls(run, f"{SUBSETS[subset]}-{published_name(path).removesuffix('.json')}", SUBSETS[subset])
             if not calls:
                 issues.append(Issue(str(path), None, "history", "no agent turn (only tool or human turns)"))
             records.extend((None, c) for c in calls)

@@ -10,7 +10,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = Path(os.environ.get("PBKV_TRACES_DIR", REPO.parent / "shared" / "traces"))
+from data.published import TRACES_DIR as TRACES  # noqa: E402  (data/traces, or PBKV_TRACES_DIR)
+
 WHO_AND_WHEN = TRACES / "who_and_when"
 TAU_BENCH = TRACES / "tau_bench" / "gpt-4o-airline.json"
 

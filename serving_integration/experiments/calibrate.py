@@ -16,8 +16,14 @@ calls.jsonl:
                            + the TTFTs of the calls whose prefill ran while this call decoded
 
 where a call's decode batch is the number of calls in flight during it (from their start and end
-times) and its KV tokens the batch times its context. The preset is written to
-conf/cost_model/NAME.yaml (`python evaluate.py cost_model=NAME`); the fit's residuals are printed.
+times) and its KV tokens the batch times its context. The preset is written under runs/
+(runs/calibrate/NAME.yaml, or --out); the fit's residuals are printed. Making it a preset of
+conf/ is a separate, explicit step, so no run rewrites tracked configuration:
+
+    python -m serving_integration.experiments.calibrate --promote runs/calibrate/cpu-tiny-llama.yaml
+
+copies a fitted preset to conf/cost_model/NAME.yaml (NAME from its `name`) after checking it builds
+a cost model; then `python evaluate.py cost_model=NAME`.
 On a GPU: run the bench client against the GPU server, then this command with that GPU's datasheet
 peak FLOP/s, memory and PCIe bandwidths (docs/serving.md).
 """
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data import CONF_DIR
+from data import CONF_DIR, REPO
 
 ROBUST_SCALE_S = 0.05  # residuals beyond about 50 ms weigh linearly, not quadratically
 FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s")
@@ -192,20 +198,54 @@ def describe(cost, report: dict) -> str:
 CPU_PEAK_FLOPS, CPU_MEM_BANDWIDTH, CPU_COPY_BANDWIDTH = 1.66e11, 2e10, 1e10
 
 
+FITTED_DIR = REPO / "runs" / "calibrate"  # where fits go; conf/cost_model only by --promote
+
+
+def promote(fitted: str | Path) -> Path:
+    """Copy a fitted preset to conf/cost_model/NAME.yaml (atomically), once it builds a CostModel."""
+    import yaml
+    from hydra.utils import instantiate
+
+    from data.atomic import atomic_file
+    from serving_integration.simulator.cost_model import CostModel
+
+    text = Path(fitted).read_text()
+    cost = instantiate(yaml.safe_load(text))
+    if not isinstance(cost, CostModel) or not cost.name:
+        raise ValueError(f"{fitted}: not a fitted cost-model preset (no CostModel with a name)")
+    target = CONF_DIR / "cost_model" / f"{cost.name}.yaml"
+    with atomic_file(target) as tmp:
+        tmp.write_text(text)
+    return target
+
+
 def main(argv=None) -> int:
     from serving_integration.server.tiny_model import DEFAULT_DIR
 
     p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", required=True, help="a bench run's calls.jsonl (streamed, so TTFT is known)")
+    p.add_argument("--calls", help="a bench run's calls.jsonl (streamed, so TTFT is known)")
+    p.add_argument("--promote", metavar="FITTED_YAML",
+                   help="copy this fitted preset to conf/cost_model/NAME.yaml instead of fitting")
     p.add_argument("--model-dir", default=str(DEFAULT_DIR), help="the served model's directory (shape)")
     p.add_argument("--name", default="cpu-tiny-llama")
     p.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS, help="nominal peak FLOP/s of the serving device")
     p.add_argument("--mem-bandwidth", type=float, default=CPU_MEM_BANDWIDTH, help="nominal memory bandwidth, bytes/s")
     p.add_argument("--pcie-bandwidth", type=float, default=CPU_COPY_BANDWIDTH, help="nominal host-link bandwidth, bytes/s")
-    p.add_argument("--out", help="default conf/cost_model/NAME.yaml")
+    p.add_argument("--out", help="default runs/calibrate/NAME.yaml")
     args = p.parse_args(argv)
-    out = Path(args.out or CONF_DIR / "cost_model" / f"{args.name}.yaml")
+    if bool(args.calls) == bool(args.promote):
+        print("error: give --calls (fit a preset) or --promote FITTED_YAML (copy one into conf/cost_model)",
+              file=sys.stderr)
+        return 2
+    if args.promote:
+        try:
+            print(f"promoted {args.promote} to {promote(args.promote)}")
+        except Exception as e:  # an unreadable file, bad YAML or a config that builds no CostModel: one line
+            print(f"error: {args.promote}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        return 0
+    out = Path(args.out or FITTED_DIR / f"{args.name}.yaml")
     try:
         cost, report = fit_preset(args.calls, out, name=args.name, model_dir=args.model_dir, peak_flops=args.peak_flops,
                                   mem_bandwidth=args.mem_bandwidth, pcie_bandwidth=args.pcie_bandwidth)

@@ -56,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
 from data.atomic import temporary_sibling_dir, write_json
+from serving_integration.cache.metrics import live_working_set_tokens
 from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
                                                    PerfectSource, vocabulary)
@@ -308,6 +309,9 @@ def evaluate_seed(replay: Replay, sim: SimConfig, cost, knobs: PolicyKnobs, spec
                                     layout=layout, kv_method="none" if layout == "none" else kv.method,
                                     kv_budget=None if layout == "none" else kv.budget))
     add_gap_closed(rows)
+    working_set = live_working_set_tokens(replay.workflows, sim.concurrency)
+    for row in rows:
+        row["live_working_set_tokens"] = working_set
     graph = replay.step_graph
     info = {"predictor": learned[1] if learned else {},
             "kvflow_graph": {"origin": graph.origin, **graph.graph},

@@ -1,25 +1,31 @@
-"""python -m serving_integration.experiments.report RUN_DIR... --out DIR
+"""python -m serving_integration.experiments.report runs=[RUN_OR_SWEEP_DIR,...] out=DIR
 
 Builds report.md and report.html with PNG plots from the summary.json files of evaluate.py runs
-(a run directory, a multirun directory, or summary.json files): the paper's claims beside ours,
-one table per setting with ratios against LRU and KVFlow, and plots of every sweep the runs
-contain (GPU memory, concurrency, prediction noise with a linear fit of the regret, horizon K,
-gamma, predictor backbone, KV-pruning layout). Every number in it is computed from the rows.
+(a run directory, a multirun directory, or summary.json files; Hydra-style overrides, conf/report.yaml):
+the paper's claims beside ours, the experiment's own checks, then per split (test first, validation
+in an appendix) plots of every sweep the runs contain (GPU memory with the live working set, concurrency,
+prediction noise with a linear fit of the regret, horizon K, gamma, predictor backbone, KV-pruning
+layout; at most six series each, the 95% interval as a band) and one table per setting, settings
+sorted and headed by what differs between them. Every number in it is computed from the rows; the
+results page (experiments.results) builds its detail pages and its headline table from the same code.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from data.atomic import atomic_dir, check_output, check_replaceable
-from data.errors import run_reported
+from data.cli import compose_config
+from data.errors import ConfigError, run_reported
+from data.knobs import build as build_knobs, check, knob, register, shown
 from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import ROW_LABELS, SETTING, row_label as label
 
@@ -69,10 +75,6 @@ def setting_of(r: dict) -> tuple:
     return tuple(r.get(k) for k in SETTING)
 
 
-def setting_title(key: tuple) -> str:
-    return ", ".join(f"{k}={v}" for k, v in zip(SETTING, key))
-
-
 def ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
@@ -94,15 +96,86 @@ def md_table(head: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def setting_tables(rows: list[dict]) -> str:
-    """One table per setting: every metric as mean ± 95% CI over the seeds (the value alone for one
-    seed); ratios against LRU and KVFlow (its own prefetch) paired by seed."""
+# the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
+WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
+          "cost_model")
+
+
+def tokens_text(n) -> str:
+    """300000 -> 300k, 1500000 -> 1.5M (GPU sizes as a reader says them)."""
+    if not isinstance(n, (int, float)):
+        return str(n)
+    if n >= 1e6:
+        return f"{n / 1e6:g}M"
+    return f"{n / 1e3:g}k" if n >= 1e3 else f"{n:g}"
+
+
+def in_words(key: str, value) -> str:
+    """One setting key and its value as a heading says it: `300k GPU tokens`, `32 live workflows`."""
+    if key == "gpu_tokens":
+        return f"{tokens_text(value)} GPU tokens"
+    if key == "concurrency":
+        return f"{value} live workflows"
+    if key == "horizon":
+        return f"K={value}"
+    if key == "gamma":
+        return f"gamma {value}"
+    if key == "end_signal_loss":
+        return f"{float(value or 0):.0%} of end signals lost"
+    if key == "replicas":
+        return f"{value} server{'s' if value != 1 else ''}"
+    if key == "routing":
+        return f"{value} routing"
+    if key == "cost_model":
+        return f"cost model {value}"
+    return str(value)
+
+
+def sort_key(values) -> tuple:
+    """Settings in order: by workload name, then each size ascending (None first)."""
+    return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
+
+
+def varying_keys(keys: list[tuple]) -> list[str]:
+    """The WORDED keys whose value differs between `keys` (setting_of tuples); the GPU size always."""
+    at = [dict(zip(SETTING, k)) for k in keys]
+    return [k for k in WORDED if k in ("workload", "gpu_tokens") or len({repr(a.get(k)) for a in at}) > 1]
+
+
+def setting_heading(key: tuple, varying: list[str]) -> str:
+    at = dict(zip(SETTING, key))
+    return ", ".join(in_words(k, at[k]) for k in varying)
+
+
+def setting_title(key: tuple) -> str:
+    """A setting in words, every worded key (a table cell where settings of several runs meet)."""
+    at = dict(zip(SETTING, key))
+    return ", ".join([in_words(k, at[k]) for k in WORDED] + [f"{at['split']} split"])
+
+
+def common_settings(keys: list[tuple], varying: list[str]) -> str:
+    """What every setting of a section shares, in words (one line above its tables)."""
+    if not keys:
+        return ""
+    at = dict(zip(SETTING, keys[0]))
+    defaults = {"end_signal_loss": (0, 0.0, None), "replicas": (1, None), "routing": ("none", None)}
+    same = [in_words(k, at[k]) for k in WORDED if k not in varying and at[k] not in defaults.get(k, ())]
+    return f"Every setting below: {', '.join(same)}." if same else ""
+
+
+def setting_tables(rows: list[dict], split: str | None = None) -> str:
+    """One table per setting of `split` (every split when None), settings sorted, each headed by what
+    differs between them in words: every metric as mean ± 95% CI over the seeds (the value alone for
+    one seed); ratios against LRU and KVFlow (its own prefetch) paired by seed."""
     groups = defaultdict(list)
     for r in rows:
-        if is_main(r):
+        if is_main(r) and (split is None or split_of(r) == split):
             groups[setting_of(r)].append(r)
-    parts = []
-    for key, group in groups.items():
+    keys = sorted(groups, key=sort_key)
+    varying = varying_keys(keys)
+    parts = [common_settings(keys, varying)] if keys else []
+    for key in keys:
+        group = sorted(groups[key], key=lambda r: (plot_rank(r), label(r)))
         lru = next((r for r in group if r["policy"] == "lru"), None)
         kvflow = next((r for r in group if r["policy"] == "kvflow" and r["prefetch"] == "aggressive"), None)
 
@@ -124,8 +197,9 @@ def setting_tables(rows: list[dict]) -> str:
                 "reuse (GPU + host)", "recomputed", "upper bound", "gap closed",
                 *(f"{part} (s/wf)" for part in TIME_SPLIT)]
         seeds = group[0].get("seeds") or [group[0].get("seed")]
-        parts.append(f"### {setting_title(key)}\n\n{group[0]['workflows']} workflows, {group[0]['calls']} calls, "
-                     f"seed(s) {seeds} ({Path(group[0]['source']).parent})\n\n" + md_table(head, body))
+        parts.append(f"### {setting_heading(key, varying)}\n\n{group[0]['workflows']} workflows, "
+                     f"{group[0]['calls']} calls, {split_of(group[0])} split, seed(s) {seeds} "
+                     f"(`{Path(group[0]['source']).parent}`)\n\n" + md_table(head, body))
     return "\n\n".join(parts)
 
 
@@ -318,7 +392,9 @@ def regret_fit(rows) -> tuple[str, list]:
         floor = min(by_eps[e]["hit_rate"] for e in eps) - lae[0]["hit_rate"] if lae else None
         body.append([setting_title(key), name, ", ".join(f"{e:g}" for e in eps), f"{slope:.3f}", f"{intercept:.3f}",
                      f"{r2:.2f}", fmt(floor, "{:+.1%}")])
-        fits.append((key, name, eps, regret, slope, intercept))
+        base = per_seed(by_eps[0.0], "hit_rate")
+        seed_regrets = [[b - h for b, h in zip(base, per_seed(by_eps[e], "hit_rate"))] for e in eps]
+        fits.append((key, name, eps, regret, slope, intercept, seed_regrets, by_eps[0.0]))
     head = ["setting", "policy", "noise levels", "regret slope", "intercept", "R^2",
             "lowest hit rate minus pbkv_lae's"]
     return (md_table(head, body) if body else ""), fits
@@ -425,79 +501,186 @@ ROBUST_NOTE = (
 
 # -------------------------------------------------------------------- plots
 
-def sweep_plots(rows, out: Path) -> list[tuple[str, str]]:
+MAX_SERIES = 6  # lines per plot; the other policies are in the tables below it
+
+
+def plot_rank(r: dict) -> int:
+    """Which policies a plot draws first: the baselines, then PBKV and the references."""
+    order = [("lru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"), ("pbkv", "none"),
+             ("pbkv_perfect", "none"), ("oracle", "none"), ("pbkv", "conservative")]
+    key = (r["policy"], r["prefetch"])
+    rank = order.index(key) if key in order else len(order)
+    always = r["policy"] == "pbkv" and r.get("trust") == "always"  # the paper's variant, after adaptive
+    return rank + (len(order) if always or r.get("noise_kind") == "adversarial" else 0)
+
+
+def chosen_series(series: dict[str, list], rows_of: dict[str, dict], n: int) -> dict[str, list]:
+    """The `n` series a plot shows, by plot_rank of the row behind each label."""
+    names = sorted(series, key=lambda lab: (plot_rank(rows_of[lab]), lab))[:n]
+    return {lab: series[lab] for lab in names}
+
+
+def line_plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, list]]],
+              working_set: float | None = None, percent: bool = False, dashed: tuple[str, ...] = ()) -> None:
+    """Lines of mean over the seeds with the 95% interval as a band; `series` maps a label to
+    (x, per-seed values) points. With `working_set`, a second x axis shows x as its fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-    made = []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = plt.cm.tab10.colors
+    for i, (lab, points) in enumerate(series.items()):
+        points = sorted(points, key=lambda p: p[0])
+        xs = np.array([x for x, _ in points], dtype=float)
+        stats = [mean_ci(values) for _, values in points]
+        ys = np.array([m for m, _ in stats])
+        ci = np.array([c or 0.0 for _, c in stats])
+        color = "0.35" if lab in dashed else colors[i % 10]
+        ax.plot(xs, ys, marker="o", ms=4, color=color, label=lab, linestyle="--" if lab in dashed else "-")
+        if ci.any():  # a share cannot leave [0, 1], a time or a ratio cannot fall below 0: the band is clipped
+            low, high = (np.clip(ys - ci, 0, 1), np.clip(ys + ci, 0, 1)) if percent else (np.maximum(ys - ci, 0), ys + ci)
+            ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if "tokens" in xlabel:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: tokens_text(x)))
+    if percent:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if working_set:
+        top = ax.secondary_xaxis("top", functions=(lambda x: x / working_set, lambda f: f * working_set))
+        top.set_xlabel("share of the live working set", fontsize=8)
+        top.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
 
-    def line_plot(name, title, xlabel, series, ylabel):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        colors = plt.cm.tab20.colors
-        for i, (lab, points) in enumerate(sorted(series.items())):
-            xs, ys = zip(*sorted(points, key=lambda p: p[0]))
-            ax.plot(xs, ys, marker="os^v"[i // 5 % 4], color=colors[i % 20], label=lab)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        made.append((name, title))
 
-    for axis, xlabel in (("gpu_tokens", "GPU KV capacity (tokens)"), ("concurrency", "live workflows")):
-        others = [k for k in SETTING if k != axis]
+def sweep_plots(rows, out: Path) -> list[tuple[str, str, str]]:
+    """Plots of each sweep in the rows, one per (workload, split, the other settings):
+    (file name, caption, split). GPU memory and concurrency sweeps draw hit rate and latency against
+    the swept size (the memory axis also as a share of the live working set); a horizon sweep draws
+    PBKV's hit rate against K, one line per gamma."""
+    made: list[tuple[str, str, str]] = []
+
+    def unique(name: str) -> str:
+        stem, n = name[:-4], 1
+        while any(m[0] == name for m in made):
+            n += 1
+            name = f"{stem}_{n}.png"
+        return name
+
+    for axis, xlabel, what in (("gpu_tokens", "GPU KV capacity (tokens)", "GPU KV capacity"),
+                               ("concurrency", "live workflows", "live workflows")):
+        others = [k for k in SETTING if k not in (axis, "calls")]
         groups = defaultdict(lambda: defaultdict(list))
         for r in rows:
             if is_main(r):
-                groups[tuple(r.get(k) for k in others)][label(r)].append((r[axis], r))
-        for key, series in groups.items():
-            if len({x for pts in series.values() for x, _ in pts}) < 2:
+                groups[tuple(r.get(k) for k in others)][label(r)].append(r)
+        for key, by_label in sorted(groups.items(), key=lambda item: sort_key(item[0])):
+            if len({r[axis] for pts in by_label.values() for r in pts}) < 2:
                 continue
-            series = {k: v for k, v in series.items() if len(v) > 1}
-            workload = key[0]
+            by_label = {lab: pts for lab, pts in by_label.items() if len(pts) > 1}
+            if not by_label:
+                continue
+            at = dict(zip(others, key))
+            workload, split = at["workload"], at["split"]
+            rows_of = {lab: pts[0] for lab, pts in by_label.items()}
+            sets = [r.get("live_working_set_tokens") for pts in by_label.values() for r in pts]
+            working_set = float(np.mean(sets)) if axis == "gpu_tokens" and all(sets) else None
+            lru = next((pts for lab, pts in by_label.items() if rows_of[lab]["policy"] == "lru"), None)
+            lru_at = {r[axis]: r for r in lru or []}
             for field, ylabel, tag in (("hit_rate", "GPU hit rate", "hit"),
                                        ("mean_workflow_latency_s", "mean workflow latency (s)", "latency")):
-                line_plot(f"{workload}_{axis}_{tag}_{len(made)}.png", f"{workload}: {ylabel} vs {axis}", xlabel,
-                          {lab: [(x, r[field]) for x, r in pts] for lab, pts in series.items()}, ylabel)
+                series = {lab: [(r[axis], per_seed(r, field)) for r in pts] for lab, pts in by_label.items()}
+                if tag == "latency" and all(r[axis] in lru_at for pts in by_label.values() for r in pts):
+                    # latency differs more between the seeds' workloads than between policies: paired
+                    # by seed against LRU's, the policies' difference is what the band shows
+                    ylabel = "speed-up over LRU (its latency / the policy's)"
+                    series = {lab: [(r[axis], paired_ratios(r, lru_at[r[axis]], field, False)) for r in pts]
+                              for lab, pts in by_label.items()}
+                bound = {}
+                if field == "hit_rate":
+                    series = chosen_series(series, rows_of, MAX_SERIES - 1)
+                    pbkv = next((pts for lab, pts in by_label.items() if rows_of[lab]["policy"] == "pbkv"
+                                 and rows_of[lab]["prefetch"] == "none"), None)
+                    if pbkv and all(r.get("bound_hit_rate") is not None for r in pbkv):
+                        bound = {"upper bound (PBKV's requests)": [(r[axis], per_seed(r, "bound_hit_rate"))
+                                                                   for r in pbkv]}
+                else:
+                    series = chosen_series(series, rows_of, MAX_SERIES)
+                name = unique(f"{workload}_{split}_{axis}_{tag}.png")
+                title = f"{workload}, {split} split: {ylabel.split(' (')[0]} against {what}"
+                line_plot(out / name, title, xlabel, ylabel, {**series, **bound}, working_set,
+                          percent=field == "hit_rate", dashed=tuple(bound))
+                made.append((name, title, split))
     lookahead = defaultdict(list)  # horizon x gamma, one line per gamma
     for r in rows:
         if is_main(r) and r["policy"] == "pbkv" and r["prefetch"] == "none":
-            lookahead[(r["workload"], r["gpu_tokens"], r["concurrency"], r["predictor"])].append(r)
-    for (workload, gpu, conc, predictor), group in lookahead.items():
+            lookahead[(r["workload"], split_of(r), r["gpu_tokens"], r["concurrency"], r["predictor"])].append(r)
+    for (workload, split, gpu, conc, predictor), group in sorted(lookahead.items(), key=lambda i: sort_key(i[0])):
         if len({r["horizon"] for r in group}) > 1:
-            line_plot(f"{workload}_horizon_gamma_{len(made)}.png",
-                      f"{workload} (gpu_tokens={gpu}, C={conc}, {predictor}): PBKV hit rate vs K", "horizon K",
-                      {f"gamma={g}": [(r["horizon"], r["hit_rate"]) for r in group if r["gamma"] == g]
-                       for g in sorted({r["gamma"] for r in group})}, "GPU hit rate")
+            gammas = sorted({r["gamma"] for r in group})[:MAX_SERIES]
+            name = unique(f"{workload}_{split}_horizon_gamma.png")
+            title = (f"{workload}, {split} split ({tokens_text(gpu)} GPU tokens, {conc} live, {predictor}): "
+                     "PBKV hit rate against K")
+            line_plot(out / name, title, "horizon K", "GPU hit rate",
+                      {f"gamma={g}": [(r["horizon"], per_seed(r, "hit_rate")) for r in group if r["gamma"] == g]
+                       for g in gammas}, percent=True)
+            made.append((name, title, split))
     return made
 
 
-def noise_plot(fits, out: Path) -> list[tuple[str, str]]:
-    if not fits:
-        return []
+def noise_plot(fits, out: Path) -> list[tuple[str, str, str]]:
+    """Per setting: the hit-rate regret against noise eps of at most MAX_SERIES policies (mean, 95%
+    band over the seeds) with its linear fit dashed in the same colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, name, eps, regret, slope, intercept in fits:
-        line = ax.plot(eps, regret, marker="o", label=f"{key[0]} {name}")[0]
-        ax.plot(eps, slope * eps + intercept, linestyle="--", color=line.get_color())
-    ax.set_xlabel("prediction noise eps")
-    ax.set_ylabel("hit-rate regret vs eps = 0")
-    ax.set_title("Regret against prediction noise (dashed: linear fit)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "noise_regret.png", dpi=110)
-    plt.close(fig)
-    return [("noise_regret.png", "Regret against prediction noise")]
+    by_setting = defaultdict(list)
+    for fit in fits:
+        by_setting[fit[0]].append(fit)
+    made = []
+    for key, group in sorted(by_setting.items(), key=lambda item: sort_key(item[0])):
+        at = dict(zip(SETTING, key))
+        group = sorted(group, key=lambda f: (plot_rank(f[7]), f[1]))[:MAX_SERIES]
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for i, (_, name, eps, regret, slope, intercept, seed_regrets, _) in enumerate(group):
+            color = plt.cm.tab10.colors[i % 10]
+            stats = [mean_ci(values) for values in seed_regrets]
+            ys, ci = np.array([m for m, _ in stats]), np.array([c or 0.0 for _, c in stats])
+            ax.plot(eps, ys, marker="o", ms=4, color=color, label=name)
+            if ci.any():
+                ax.fill_between(eps, ys - ci, ys + ci, color=color, alpha=0.18, linewidth=0)
+            ax.plot(eps, slope * eps + intercept, linestyle="--", color=color, linewidth=1)
+        ax.set_xlabel("prediction noise eps (share of each prediction replaced)")
+        ax.set_ylabel("GPU hit-rate regret against eps = 0")
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        title = (f"{at['workload']}, {at['split']} split, {tokens_text(at['gpu_tokens'])} GPU tokens: "
+                 "regret against prediction noise (dashed: linear fit)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"{at['workload']}_{at['split']}_noise_regret{'_' + str(len(made) + 1) if made else ''}.png"
+        fig.savefig(out / name, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        made.append((name, title, at["split"]))
+    return made
 
 
-def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
+def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made = []
@@ -512,13 +695,14 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
         ax.bar(list(hits), list(hits.values()))
         ax.set_ylabel("GPU hit rate (pbkv)")
         at = dict(zip(SETTING, key))
-        ax.set_title(f"PBKV by predictor backbone ({at['workload']}, gpu_tokens={at['gpu_tokens']}, "
-                     f"C={at['concurrency']})", fontsize=10)
+        title = (f"{at['workload']}, {at['split']} split, {tokens_text(at['gpu_tokens'])} GPU tokens: "
+                 "PBKV by predictor backbone")
+        ax.set_title(title, fontsize=10)
         fig.tight_layout()
-        name = f"backbones_{key[0]}_{len(made)}.png"
-        fig.savefig(out / name, dpi=110)
+        name = f"backbones_{key[0]}_{at['split']}_{len(made)}.png"
+        fig.savefig(out / name, dpi=110, metadata={"Software": None})
         plt.close(fig)
-        made.append((name, "PBKV by predictor backbone"))
+        made.append((name, title, at["split"]))
     kv = [r for r in rows if r["comparison"] == "kv"]
     if kv:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -527,9 +711,9 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str]]:
         ax.set_ylabel("prefix hit rate")
         ax.set_title("KV pruning: prefix-cache hits by layout")
         fig.tight_layout()
-        fig.savefig(out / "kv_layouts.png", dpi=110)
+        fig.savefig(out / "kv_layouts.png", dpi=110, metadata={"Software": None})
         plt.close(fig)
-        made.append(("kv_layouts.png", "KV pruning: prefix-cache hits by layout"))
+        made.append(("kv_layouts.png", "KV pruning: prefix-cache hits by layout", split_of(kv[0])))
     return made
 
 
@@ -625,10 +809,160 @@ def sources(files: list[Path]) -> str:
     return "\n".join(f"- `{folder}` ({n} run{'s' if n > 1 else ''})" for folder, n in folders.items())
 
 
+# -------------------------------------------------------------------- headline
+
+def single_server(rows) -> list[dict]:
+    """Plain policy rows of one server with every end signal delivered: where the headline and the
+    claims compare policies (the cluster and end-signal experiments have their own pages)."""
+    return [r for r in rows if is_main(r) and r.get("replicas", 1) == 1 and not r.get("end_signal_loss")]
+
+
+def headline_picks(rows) -> dict[str, tuple]:
+    """Per workload, the test configuration the headline shows: (MATCH values, PBKV's prefetch mode,
+    how it was chosen). The memory point and prefetch mode where PBKV gains most GPU hit rate over
+    LRU on the validation split; a workload run on test only shows its smallest GPU size, no prefetch."""
+    plain = single_server(rows)
+    workloads = sorted({r["workload"].split("-")[0] for r in plain})
+    index = index_rows(plain, workloads)
+    picks = {}
+    for workload, pick in choose_on_val(plain, "pbkv", "lru", workloads, "hit_rate").items():
+        if isinstance(pick, tuple):
+            picks[workload] = (pick[0], pick[1], pick[2])
+            continue
+        tested = sorted((m for (sp, m, pol, pf) in index if sp == "test" and pol == "pbkv" and pf == "none"
+                         and m[0] == workload and ("test", m, "lru", "none") in index),
+                        key=lambda m: sort_key((m[MATCH.index("gpu_tokens")], *m)))
+        if tested:
+            picks[workload] = (tested[0], "none", "smallest GPU size run (no val split)")
+    return picks
+
+
+def headline_table(rows) -> str:
+    """One line per workload, test split, mean ± 95% CI over the seeds (ratios paired by seed): PBKV
+    against LRU, against KVFlow (its own prefetch) and against the upper bound on PBKV's own request
+    sequence, on GPU hit rate, recomputed prompt tokens and mean workflow latency."""
+    index = index_rows(single_server(rows), {r["workload"].split("-")[0] for r in rows})
+    body = []
+    for workload, (match, prefetch, how) in sorted(headline_picks(rows).items()):
+        pbkv, lru = index[("test", match, "pbkv", prefetch)], index[("test", match, "lru", "none")]
+        kvflow = index.get(("test", match, "kvflow", "aggressive"))
+        at = dict(zip(MATCH, match))
+
+        def versus(base, field, higher, spec="{:.2f}"):
+            return pm(paired_ratios(pbkv, base, field, higher), spec) if base else "n/a"
+
+        bound = per_seed(pbkv, "bound_hit_rate") if pbkv.get("bound_hit_rate") is not None else []
+        of_bound = pm([h / b for h, b in zip(per_seed(pbkv, "hit_rate"), bound) if b], "{:.0%}") if bound else "n/a"
+        n_seeds = len(pbkv.get("seeds") or [pbkv.get("seed")])
+        setting = (f"{tokens_text(at['gpu_tokens'])} GPU tokens, {at['concurrency']} live"
+                   + (f", prefetch {prefetch}" if prefetch != "none" else "") + f", {n_seeds} seed{'s' * (n_seeds > 1)}")
+        body.append([workload, setting, cell(pbkv, "hit_rate", "{:.1%}"), versus(lru, "hit_rate", True),
+                     versus(kvflow, "hit_rate", True), of_bound,
+                     cell(pbkv, "recompute_rate", "{:.1%}"), cell(lru, "recompute_rate", "{:.1%}"),
+                     cell(kvflow, "recompute_rate", "{:.1%}") if kvflow else "n/a",
+                     cell(pbkv, "mean_workflow_latency_s"), versus(lru, "mean_workflow_latency_s", False),
+                     versus(kvflow, "mean_workflow_latency_s", False)])
+    if not body:
+        return "No workload with PBKV and LRU on the test split in these runs."
+    head = ["workload", "setting", "PBKV GPU hit rate", "x LRU", "x KVFlow", "of the bound",
+            "recomputed: PBKV", "LRU", "KVFlow", "PBKV latency (s)", "speed-up vs LRU", "vs KVFlow"]
+    return md_table(head, body)
+
+
+HEADLINE_NOTE = (
+    "Test split, mean ± 95% CI over the seeds (Student t; ratios paired by seed). The setting of each "
+    "workload (GPU memory point, PBKV's prefetch mode) is the one where PBKV gained most GPU hit rate over "
+    "LRU on the validation split; workloads run without a validation split show their smallest GPU size. "
+    "x LRU, x KVFlow: PBKV's GPU hit rate over theirs (KVFlow with its own prefetch); of the bound: PBKV's "
+    "hit rate over the highest any eviction policy can reach on PBKV's own requests (simulator/bound.py); "
+    "recomputed: share of prompt tokens prefilled again; speed-up: their mean workflow latency over PBKV's.")
+
+
+def policy_bars(rows, out: Path, split: str = "test", groups: int = 8) -> list[tuple[str, str, str]]:
+    """For a report with no sweep: GPU hit rate of at most MAX_SERIES policies (95% interval as error
+    bars) at each of its `split` settings (at most `groups` of them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    by_setting = defaultdict(dict)
+    for r in rows:
+        if is_main(r) and split_of(r) == split:
+            by_setting[setting_of(r)].setdefault(label(r), r)
+    if not by_setting:
+        return []
+    keys = sorted(by_setting, key=sort_key)[:groups]
+    at = [dict(zip(SETTING, k)) for k in keys]
+    unusual = [k for k, usual in (("end_signal_loss", (0, 0.0, None)), ("replicas", (1, None)), ("routing", ("none",)))
+               if any(a[k] not in usual for a in at)]  # named under every group, so the plot says what it shows
+    varying = [k for k in WORDED if k in varying_keys(keys) or k in unusual]
+    ranked = sorted({lab: r for k in keys for lab, r in by_setting[k].items()}.items(),
+                    key=lambda item: (plot_rank(item[1]), item[0]))
+    labels = [lab for lab, _ in ranked[:MAX_SERIES]]
+    seeded = any(len(per_seed(r, "hit_rate")) > 1 for k in keys for r in by_setting[k].values())
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    width = 0.8 / len(labels)
+    for i, lab in enumerate(labels):
+        stats = [mean_ci(per_seed(by_setting[k][lab], "hit_rate")) if lab in by_setting[k] else (math.nan, None)
+                 for k in keys]
+        xs = np.arange(len(keys)) + (i - (len(labels) - 1) / 2) * width
+        means, cis = np.array([m for m, _ in stats]), np.array([c or 0.0 for _, c in stats])
+        below, above = np.minimum(cis, means), np.minimum(cis, 1 - means)  # a share stays in [0, 1]
+        ax.bar(xs, means, width, yerr=[below, above] if seeded else None, capsize=2, label=lab,
+               color=plt.cm.tab10.colors[i % 10])
+    ax.set_xticks(np.arange(len(keys)), [setting_heading(k, varying).replace(", ", "\n") for k in keys], fontsize=7)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set_ylabel("GPU hit rate")
+    workloads = sorted({dict(zip(SETTING, k))["workload"] for k in keys})
+    title = f"{', '.join(workloads)}, {split} split: GPU hit rate by policy" + (" (95% interval)" if seeded else ", one seed")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = f"{split}_policies.png"
+    fig.savefig(out / name, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return [(name, title, split)]
+
+
+# -------------------------------------------------------------------- the report
+
+def splits_in(rows) -> list[str]:
+    """The replayed splits, test first and val last (the appendix)."""
+    found = {split_of(r) for r in rows}
+    return sorted(found, key=lambda s: (s != "test", s == "val", s))
+
+
+def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[str, str, str]]]:
+    """The report's sections (Markdown, plots written into `tmp`): the paper's claims (unless
+    `claims` is False: the results page shows them once), the experiment's own sections, then per
+    split its plots and one table per setting, test first, validation in an appendix."""
+    regret_md, fits = regret_fit(rows)
+    plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
+    if not plots:
+        plots = policy_bars(rows, tmp, splits_in(rows)[0])
+    optional = [("## Prediction noise: regret and its linear fit", regret_md),
+                ("## Robust PBKV: adaptive trust per seed", robust_section(rows)),
+                ("## KV pruning (IntentKV)", kv_table(rows)),
+                ("## A cluster: replicas x routing x eviction", cluster_section(rows))]
+    parts = ["## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows)] if claims else []
+    parts += [part for heading, body in optional if body for part in (heading, body)]
+    for split in splits_in(rows):
+        appendix = split == "val" and len(splits_in(rows)) > 1
+        shown = [f"![{title}]({name})" for name, title, sp in plots if sp == split]
+        heading = "## Appendix: validation split" if appendix else f"## {split.capitalize()} split"
+        parts += [heading, *shown, SETTING_NOTE if not appendix else
+                  "The knobs of the claims and of the headline are chosen on these rows.",
+                  setting_tables(rows, split)]
+    return "\n\n".join(p for p in parts if p), plots
+
+
 COMMAND = "serving_integration.experiments.report"
 
 
-def build(paths: list[str], out: Path) -> Path:
+def build(paths: list[str], out: Path, claims: bool = True) -> Path:
     """The report folder `out`, replaced all at once (data.atomic): never one of the runs read, a
     folder holding them, nor a folder this command did not make."""
     check_output(out, paths)
@@ -637,20 +971,10 @@ def build(paths: list[str], out: Path) -> Path:
     if not rows:
         raise ValueError(f"no rows in {', '.join(map(str, files))}: nothing to report")
     with atomic_dir(out, COMMAND, inputs=paths) as tmp:
-        regret_md, fits = regret_fit(rows)
-        plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
-        optional = [("## Prediction noise: regret and its linear fit", regret_md),
-                    ("## Robust PBKV: adaptive trust per seed", robust_section(rows)),
-                    ("## KV pruning (IntentKV)", kv_table(rows)),
-                    ("## A cluster: replicas x routing x eviction", cluster_section(rows))]
-        md = "\n\n".join([
-            "# PBKV report",
-            f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
-            "## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows),
-            *(part for heading, body in optional if body for part in (heading, body)),  # sections these runs have
-            "## Plots", "\n\n".join(f"![{title}]({name})" for name, title in plots) or "No sweep in these runs.",
-            "## Results by setting", SETTING_NOTE, setting_tables(rows),
-        ]) + "\n"
+        body, _ = report_body(rows, tmp, claims)
+        md = "\n\n".join(["# PBKV report",
+                          f"Built from {len(files)} summary.json file(s), {len(rows)} rows:\n\n" + sources(files),
+                          body]) + "\n"
         (tmp / "report.md").write_text(md)
         import markdown
 
@@ -662,14 +986,33 @@ def build(paths: list[str], out: Path) -> Path:
     return out / "report.md"
 
 
+@dataclass
+class ReportConfig:
+    """python -m serving_integration.experiments.report runs=[RUN_OR_SWEEP_DIR,...] out=REPORT_DIR"""
+    runs: Any = knob(help="evaluate.py run folders, sweep folders or summary.json files (a list, or one path)")
+    out: str = knob(help="the report folder (replaced as a whole; only one this command made)")
+
+    def __post_init__(self):
+        for name in ("runs", "out"):
+            if getattr(self, name) == "???":  # Hydra's mark of a required value not given
+                raise ConfigError(f"{name}: required (runs=[RUN_OR_SWEEP_DIR,...] out=REPORT_DIR)")
+        if isinstance(self.runs, str):
+            self.runs = [self.runs]
+        if not isinstance(self.runs, (list, tuple)) or not self.runs or not all(isinstance(r, str) and r
+                                                                                for r in self.runs):
+            raise ConfigError(f"runs={shown(self.runs)}: should be a path or a non-empty list of paths")
+        check(self)
+
+
+register(None, ReportConfig, "report_schema")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run directories, multirun directories or summary.json files")
-    parser.add_argument("--out", required=True, type=Path, help="report directory (replaced)")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
 
     def body():
-        path = build(args.runs, args.out)
+        args = build_knobs(compose_config("report", argv), ReportConfig)
+        path = build(args.runs, Path(args.out))
         print(f"report: {path} and {path.with_suffix('.html')}")
     return run_reported(body)
 

@@ -18,8 +18,9 @@ Without --checkpoint, pbkv's predictor is the first-order Markov chain fitted on
 Latency: with `--calibrate-split val` (the default) it first replays the first N workflows of that
 split under lru on a fresh server and fits the cost model to those calls (experiments.calibrate),
 so the simulated latencies of the compared runs (other workflows, every policy) are predictions on
-runs the fit never saw, made on the machine as it is now. `--write-preset` also writes the fit to
-conf/cost_model/cpu-tiny-llama.yaml; `--calibrate-split none` uses that preset as it is. Besides
+runs the fit never saw, made on the machine as it is now; the fit is written to
+OUT/calibration/cost_model.yaml (never into conf/: `calibrate --promote` copies it there on request).
+`--calibrate-split none` uses the committed conf/cost_model/cpu-tiny-llama.yaml as it is. Besides
 summary.json, --out gets report.md (the table, the checks and the command) for the results page.
 """
 
@@ -262,7 +263,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--health-timeout", type=float, default=240.0)
     p.add_argument("--calibrate-split", default="val",
                    help="fit the cost model on an lru run of this split's first N workflows first ('none': use the preset)")
-    p.add_argument("--write-preset", action="store_true", help=f"also write that fit to conf/cost_model/{CPU_COST_MODEL}.yaml")
     p.add_argument("--cost-speedup", type=float, default=1.0,
                    help="simulate a machine this many times as fast as the cost model says (a diagnostic)")
     p.add_argument("--real-from", help="an earlier run's summary.json: compare its real rows (same data and "
@@ -296,13 +296,13 @@ def calibrated_cost_model(ds, args, out: Path):
                    concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, log_dir=out / "calibration",
                    health_timeout_s=args.health_timeout)
     save_calls(out / "calibration" / "calls-lru.jsonl", run["results"])
-    preset = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml" if args.write_preset else out / "calibration" / "cost_model.yaml"
+    preset = out / "calibration" / "cost_model.yaml"  # under the run: `calibrate --promote` copies it into conf/
     cost, report = calibrate.fit_preset(out / "calibration" / "calls-lru.jsonl", preset, name=CPU_COST_MODEL,
                                         model_dir=DEFAULT_DIR, peak_flops=calibrate.CPU_PEAK_FLOPS,
                                         mem_bandwidth=calibrate.CPU_MEM_BANDWIDTH,
                                         pcie_bandwidth=calibrate.CPU_COPY_BANDWIDTH)
     about = (f"cost model fitted on an lru run of the {args.calibrate_split} split's first {len(workflows)} workflows "
-             f"(written to {preset.relative_to(CONF_DIR.parent) if args.write_preset else preset.name}); "
+             f"(written to calibration/{preset.name}); "
              + calibrate.describe(cost, report).replace("\n", "; "))
     return cost, about
 

@@ -1,5 +1,7 @@
-"""The tau-bench importer on the published airline trajectories in ../shared/traces/tau_bench."""
+"""The tau-bench importer on the published airline trajectories shipped in data/traces/tau_bench (as
+.json.gz; the importer also reads the published .json)."""
 
+import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -11,16 +13,14 @@ from data import store
 from data.cli import CONF_DIR, run_command
 from data.errors import TraceValidationError
 from data.import_traces import import_traces
+from data.published import located, read_bytes
 from data.tau_bench import OPENER, read_tau_bench, user_simulator_system_prompt
 from tests.conftest import REPO, TAU_BENCH
-
-pytestmark = pytest.mark.skipif(not TAU_BENCH.is_file(),
-                                reason=f"the published tau-bench file is not at {TAU_BENCH} (../shared/traces)")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return json.loads(TAU_BENCH.read_text())
+    return json.loads(read_bytes(TAU_BENCH))
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,18 @@ def test_corrupted_slice_is_reported_and_nothing_is_written(tmp_path, runs, caps
     kept = read_tau_bench(src, skip_bad_lines=True)
     assert {c["workflow_id"] for c in kept.calls} == {f"tau_bench-{runs[0]['task_id']}-{runs[0]['trial']}"}
     assert [str(i) for i in kept.skipped] and all(": run 1:" in str(i) for i in kept.skipped)
+
+
+def test_the_published_json_and_a_damaged_copy(tmp_path, runs, counter):
+    """The published .json reads like the shipped .json.gz found in its place; a truncated .gz is one issue."""
+    assert located(TAU_BENCH).suffix == ".gz" or TAU_BENCH.is_file()
+    plain = tmp_path / "gpt-4o-airline.json"
+    plain.write_text(json.dumps(runs[:2]))
+    packed = tmp_path / "packed" / "gpt-4o-airline.json"
+    packed.parent.mkdir()
+    packed.with_name(packed.name + ".gz").write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_tau_bench(plain, counter).calls == read_tau_bench(packed, counter).calls
+    packed.with_name(packed.name + ".gz").write_bytes(gzip.compress(plain.read_bytes())[:200])
+    with pytest.raises(TraceValidationError) as info:
+        read_tau_bench(packed, counter)
+    assert info.value.issues[0].file.endswith("gpt-4o-airline.json.gz") and "cannot read" in info.value.issues[0].reason

@@ -61,3 +61,26 @@ def test_a_parameter_the_run_cannot_see_is_named(tmp_path):
                                         mem_bandwidth=2e10, pcie_bandwidth=1e10)
     assert "bandwidth_efficiency" in report["at_bounds"]
     assert "not identified" in (tmp_path / "preset.yaml").read_text()
+
+
+def test_a_fit_stays_under_runs_until_promoted(tmp_path, monkeypatch, capsys):
+    """calibrate writes its fit under runs/ (or --out); only --promote copies a preset into conf/cost_model."""
+    from pathlib import Path
+
+    truth = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=0.02, pcie_efficiency=0.005, step_overhead_s=0.01)
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("\n".join(json.dumps(c) for c in synthetic_calls(truth)))
+    monkeypatch.setattr(calibrate, "FITTED_DIR", tmp_path / "runs" / "calibrate")
+    monkeypatch.setattr(calibrate, "CONF_DIR", tmp_path / "conf")
+    monkeypatch.setattr(calibrate, "model_shape", lambda _: {k: SHAPE[k] for k in SHAPE if k not in (
+        "name", "peak_flops", "mem_bandwidth", "pcie_bandwidth")})
+    assert calibrate.main(["--calls", str(calls), "--name", "tiny-fit"]) == 0
+    fitted = tmp_path / "runs" / "calibrate" / "tiny-fit.yaml"
+    assert fitted.is_file() and not (tmp_path / "conf").exists()
+    assert calibrate.main(["--promote", str(fitted)]) == 0
+    assert (tmp_path / "conf" / "cost_model" / "tiny-fit.yaml").read_text() == fitted.read_text()
+    (tmp_path / "bad.yaml").write_text("_target_: builtins.dict\nname: x\n")
+    capsys.readouterr()
+    assert calibrate.main(["--promote", str(tmp_path / "bad.yaml")]) == 2
+    assert "not a fitted cost-model preset" in capsys.readouterr().err
+    assert calibrate.main([]) == 2 and not Path(tmp_path / "conf" / "cost_model" / "x.yaml").exists()

@@ -30,7 +30,7 @@ def sweep(tmp_path_factory):
 @pytest.mark.slow
 def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", str(sweep), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", f"runs=[{sweep}]", f"out={out}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     md = (out / "report.md").read_text()
@@ -38,9 +38,10 @@ def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     for gpu in (90000, 200000):
         by = {r["policy"]: r for r in rows if r["gpu_tokens"] == gpu and r["split"] == "test"
               and r["prefetch"] == ("aggressive" if r["policy"] == "kvflow" else "none")}  # KVFlow: its own prefetch
-        header = next(x for x in md.splitlines() if x.startswith("### ") and "split=test" in x
-                      and f"gpu_tokens={gpu}, concurrency=8" in x)
-        line = next(x for x in md[md.index(header):].splitlines() if x.startswith("| pbkv |"))
+        test = md[md.index("## Test split"):md.index("## Appendix: validation split")]  # test first
+        header = f"### hover, {gpu // 1000}k GPU tokens\n"  # what differs between the settings, in words
+        assert header in test and "Every setting below: 8 live workflows, K=3, gamma 0.5" in test
+        line = next(x for x in test[test.index(header):].splitlines() if x.startswith("| pbkv |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[1] == f"{by['pbkv']['hit_rate']:.1%}"
         assert cells[2] == f"{by['pbkv']['hit_rate'] / by['lru']['hit_rate']:.2f}"
@@ -65,8 +66,8 @@ def test_report_numbers_come_from_the_rows(sweep, tmp_path):
 
 
 def test_report_without_runs_is_a_clear_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", str(tmp_path), "--out",
-                           str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "serving_integration.experiments.report", f"runs=[{tmp_path}]",
+                           f"out={tmp_path / 'r'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "no summary.json" in done.stderr
 
 
@@ -117,3 +118,59 @@ def test_no_gain_to_keep_is_met_only_when_adaptive_is_no_worse_than_always():
     assert "no gain / no gain / no gain" in same and same.rstrip(" |\n").endswith("yes")
     worse = robustness_check(base + [robust_row("pbkv", [0.195, 0.185, 0.20], "adaptive", "graphsage"), always])
     assert worse.rstrip(" |\n").endswith("**no**")
+
+
+def sweep_rows(policies, sizes=(100000, 200000), splits=("val", "test")):
+    """Rows of a memory sweep over two seeds: hit rates grow with the size, pbkv above lru."""
+    from serving_integration.experiments.presentation import make_row
+
+    rows = []
+    for split in splits:
+        for gpu in sizes:
+            for i, policy in enumerate(policies):
+                hits = [0.1 + 0.01 * i + gpu / 2e6, 0.12 + 0.01 * i + gpu / 2e6]
+                labels = dict(workload="hover", policy=policy, gpu_tokens=gpu, concurrency=32, split=split, horizon=3,
+                              gamma=0.5, cost_model="h100", workflows=300, calls=3000,
+                              prefetch="aggressive" if policy == "kvflow" else "none")
+                rows.append({**make_row(labels, {
+                    "hit_rate": sum(hits) / 2, "hit_rate_per_seed": hits, "recompute_rate": 1 - sum(hits) / 2,
+                    "recompute_rate_per_seed": [1 - h for h in hits], "mean_workflow_latency_s": 10 - 10 * hits[0],
+                    "mean_workflow_latency_s_per_seed": [10 - 10 * h for h in hits], "bound_hit_rate": 0.6,
+                    "bound_hit_rate_per_seed": [0.6, 0.6], "live_working_set_tokens": 400000}),
+                    "seeds": [0, 1], "source": f"/runs/{split}/{gpu}/summary.json"})
+    return rows
+
+
+def test_plots_name_their_split_and_show_at_most_six_series(tmp_path, monkeypatch):
+    from serving_integration.experiments import report
+
+    drawn = []
+    monkeypatch.setattr(report, "line_plot", lambda path, title, xlabel, ylabel, series, working_set=None, **kw:
+                        drawn.append((path.name, title, list(series), working_set)))
+    policies = ["lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle"]
+    made = report.sweep_plots(sweep_rows(policies), tmp_path)
+    assert {split for _, _, split in made} == {"val", "test"} and len(drawn) == 4
+    for name, title, series, working_set in drawn:
+        split = "test" if "_test_" in name else "val"
+        assert title.startswith(f"hover, {split} split: ") and len(series) <= report.MAX_SERIES
+        assert working_set == 400000  # the memory axis is also shown as a share of the live working set
+    hit = next(series for name, _, series, _ in drawn if name == "hover_test_gpu_tokens_hit.png")
+    assert hit[:4] == ["lru", "kvflow", "pbkv_lae", "pbkv"] and hit[-1] == "upper bound (PBKV's requests)"
+
+
+def test_the_headline_compares_pbkv_with_lru_kvflow_and_the_bound_on_test():
+    from serving_integration.experiments import report
+
+    rows = sweep_rows(["lru", "kvflow", "pbkv_lae", "pbkv"])
+    table = report.headline_table(rows)
+    line = next(x for x in table.splitlines() if x.startswith("| hover |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # pbkv gains most over lru at the smaller size on val (same offsets, lower base): that setting, on test
+    pbkv = next(r for r in rows if r["policy"] == "pbkv" and r["split"] == "test" and r["gpu_tokens"] == 100000)
+    lru = next(r for r in rows if r["policy"] == "lru" and r["split"] == "test" and r["gpu_tokens"] == 100000)
+    assert cells[1] == "100k GPU tokens, 32 live, 2 seeds"
+    assert cells[2].startswith(f"{pbkv['hit_rate']:.1%} ± ")
+    ratios = [p / q for p, q in zip(pbkv["hit_rate_per_seed"], lru["hit_rate_per_seed"])]
+    assert cells[3].startswith(f"{sum(ratios) / 2:.2f} ± ")
+    assert cells[5].startswith(f"{pbkv['hit_rate'] / 0.6:.0%}")  # of the bound
+    assert cells[7].startswith(f"{lru['recompute_rate']:.1%}")

@@ -1,4 +1,5 @@
-"""The results page is built by running a plan of commands and rendering what they wrote."""
+"""The results pages are built by running a plan of commands and rendering what they wrote: an index
+(headline table, claims, real servers, one plot per experiment) and a detail page per experiment."""
 
 import json
 
@@ -19,21 +20,29 @@ def test_plan_runs_and_page_names_its_commands(tmp_path, monkeypatch):
                      "evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=60000 hydra.run.dir=RUNS/evaluate/small/b"]},
     ]}))
     out = tmp_path / "docs" / "results.md"
-    assert results.main(["--plan", str(plan), "--runs", str(tmp_path / "runs"), "--out", str(out)]) == 0
-    page = out.read_text()
+    (tmp_path / "README.md").write_text(f"intro\n{results.README_BEGIN}\nold\n{results.README_END}\nrest\n")
+    argv = [f"plan={plan}", f"runs={tmp_path / 'runs'}", f"out={out}"]
+    assert results.main(argv) == 0
+    page, detail = out.read_text(), (tmp_path / "docs" / "results" / "small.md").read_text()
     record = json.loads((tmp_path / "runs" / "steps.json").read_text())
     assert set(record) == {"hover", "small"} and all(r["wall_s"] > 0 for r in record.values())
-    assert "| hover | 30 |" in page  # the dataset row, from its meta.json
-    assert "python evaluate.py debug=evaluate policies=[lru,pbkv_lae]" in page
-    assert "python evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=60000" in page  # each command named
-    for run in ("a", "b"):  # one report over both runs of the step
+    assert "| hover | 30 |" in (tmp_path / "docs" / "results" / "datasets.md").read_text()  # from its meta.json
+    assert "python evaluate.py debug=evaluate policies=[lru,pbkv_lae]" in detail
+    assert "python evaluate.py debug=evaluate policies=[lru] sim.gpu_tokens=60000" in detail  # each command named
+    for run in ("a", "b"):  # one detail page over both runs of the step
         rows = json.loads((tmp_path / "runs" / "evaluate" / "small" / run / "summary.json").read_text())["rows"]
         lru = next(r for r in rows if r["policy"] == "lru")
-        assert f"{lru['hit_rate']:.1%}" in page  # numbers come from the run's rows
-    # rendering again from the same runs gives the same page (no run needed)
-    before = page
-    assert results.main(["--plan", str(plan), "--runs", str(tmp_path / "runs"), "--out", str(out), "--render-only"]) == 0
-    assert out.read_text() == before
+        assert f"{lru['hit_rate']:.1%}" in detail  # numbers come from the run's rows
+    # the index: short, its plot links the detail page, whose plots exist
+    assert len(page.splitlines()) <= 150 and "(results/small.md)" in page
+    plot = next(line for line in page.splitlines() if line.startswith("!["))
+    assert (out.parent / plot.split("](", 1)[1].rstrip(")")).is_file()
+    assert (tmp_path / "docs" / "pipeline.png").stat().st_size > 10_000
+    assert (tmp_path / "README.md").read_text().startswith(f"intro\n{results.README_BEGIN}\n")  # no pbkv: kept
+    # rendering again from the same runs gives the same pages (no run needed)
+    before = page, detail
+    assert results.main([*argv, "render_only=true"]) == 0
+    assert (out.read_text(), (tmp_path / "docs" / "results" / "small.md").read_text()) == before
 
 
 def test_a_plan_step_needs_commands(tmp_path):
@@ -52,9 +61,23 @@ def test_a_server_step_inlines_its_report(tmp_path):
          "command": "-c \"print('the server run')\""}]}))
     runs = tmp_path / "runs"
     (runs / "server" / "check").mkdir(parents=True)
-    (runs / "server" / "check" / "report.md").write_text("lru | 16.0% / 14.7%\n")
+    (runs / "server" / "check" / "report.md").write_text("replayed\n\npolicy | hit real / sim\n--- | ---\n"
+                                                         "lru | 16.0% / 14.7%\norder by device hit rate: lru\n")
     out = tmp_path / "results.md"
-    assert results.main(["--plan", str(plan), "--runs", str(runs), "--out", str(out)]) == 0
-    page = out.read_text()
-    assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page
-    assert page.index("python -c") < page.index("lru | 16.0%")  # the command comes before its numbers
+    assert results.main([f"plan={plan}", f"runs={runs}", f"out={out}"]) == 0
+    page, detail = out.read_text(), (tmp_path / "results" / "check.md").read_text()
+    assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page and "(results/check.md)" in page
+    assert detail.index("python -c") < detail.index("lru | 16.0%")  # the command comes before its numbers
+
+
+def test_a_bad_setting_is_exit_2(tmp_path, capsys):
+    assert results.main(["only=[nowhere]", f"runs={tmp_path}", f"out={tmp_path / 'r.md'}"]) == 2
+    assert "only=[nowhere]: nowhere is not a step of" in capsys.readouterr().err
+    assert results.main(["render_only=maybe"]) == 2
+
+
+def test_the_headline_goes_into_the_readme_between_its_marks():
+    readme = f"top\n{results.README_BEGIN}\n| old |\n{results.README_END}\nbottom\n"
+    assert results.readme_with_headline(readme, "| new |") == (
+        f"top\n{results.README_BEGIN}\n| new |\n{results.README_END}\nbottom\n")
+    assert results.readme_with_headline("no marks\n", "| new |") == "no marks\n"
