@@ -1,4 +1,5 @@
-"""A discrete-event model of one SGLang server with HiCache, replaying agent workflows.
+"""A discrete-event model of an SGLang server with HiCache (or replicas behind a router), replaying
+agent workflows.
 
 Per request (one agent call): match the prompt in the two-tier radix tree; GPU-hit tokens are
 free, host-hit tokens are loaded over PCIe, missed tokens are prefilled; the matched path is
@@ -9,6 +10,16 @@ missed tokens and the output are reserved up front), prefill iterations of at mo
 whole running batch one token per iteration. Between events, identical decode iterations are
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
+
+Two classes split the work. `Simulator` is the one driver: the closed-loop client (which
+workflows are live, when each issues its next call, when the cache retires it), the router and
+the event loop, which always handles the earliest event: a retirement, a call arriving at the
+server the router picks, or one step of the busy server whose clock is earliest. `Server` is one
+replica (radix tree, policy, scheduler queues, clock, counters) and passive: it is handed a call,
+or a step to run with the time of the next event anywhere (where a run of decode iterations
+stops) and the ids of the workflows idle everywhere (what prefetch may load for), and returns the
+calls that completed; the Simulator then has it insert each one and apply the step's batch of
+predictions. A server never calls back into the Simulator.
 
 The predictor is called after every finished call, batched over the workflows whose call
 finished in the same iteration; its cost can be charged to the timeline. Conservative or
@@ -32,6 +43,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -161,14 +173,22 @@ class Counters:
 
 class Server:
     """One simulated SGLang server (a replica): its two-tier radix tree, eviction policy, workflow
-    ledger, scheduler queues, clock and counters. The Simulator drives one or more of them."""
+    ledger, scheduler queues, clock and counters.
 
-    def __init__(self, sim: "Simulator", index: int, gpu_tokens: int, policy: str, policy_options: dict | None,
-                 prefetch: str, gamma: float, record_decisions: bool = False):
-        self.sim, self.index, self.config, self.cost = sim, index, sim.config, sim.cost
+    Passive: the Simulator hands it events and reads its state; it never calls back (it holds
+    no reference to the Simulator). `receive` queues a call, `step` runs one scheduler step and
+    returns the requests it completed, `finish` inserts one of them into the cache, `predict`
+    applies a batch of predictions, `idle_until` moves an idle server's clock, `start_workflow`
+    and `retire_workflow` tell the cache a workflow's life began or ended. What it needs from
+    outside comes as arguments: the time of the next event anywhere (where a run of decode
+    iterations must stop) and the workflows idle everywhere (what prefetch may load for)."""
+
+    def __init__(self, config: SimConfig, cost: CostModel, gpu_tokens: int, policy: str, policy_options: dict | None,
+                 prefetch: str, gamma: float, next_use=None, record_decisions: bool = False):
+        """`next_use`: the clairvoyant policy's view of the real future (FutureIndex.next_use)."""
+        self.config, self.cost = config, cost
         self.ledger = WorkflowLedger(gamma)
-        self.policy = make_policy(policy, self.ledger, next_use=sim.future.next_use if sim.future else None,
-                                  **(policy_options or {}))
+        self.policy = make_policy(policy, self.ledger, next_use=next_use, **(policy_options or {}))
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
@@ -177,7 +197,7 @@ class Server:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
-        self.to_predict: list[SimWorkflow] = []
+        self.running: dict[str, Request] = {}  # workflow id -> its admitted request (prefilling or decoding)
         self.ever_cached: set[int] = set()
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.counters = Counters()
@@ -194,6 +214,10 @@ class Server:
     def load(self) -> int:
         """Requests in flight here (queued or running): what sglang-router counts as a worker's load."""
         return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
 
     # ------------------------------------------------------------------ tree callbacks
 
@@ -213,45 +237,61 @@ class Server:
         self.prefetched.pop(node.id, None)
         self.policy.on_evict(node)
 
+    # ------------------------------------------------------------------ workflows
+
+    def start_workflow(self, wf_id: str) -> None:
+        """The cache hears of a workflow: its first call, or its first since the cache retired it."""
+        self.ledger.start(wf_id)
+
+    def retire_workflow(self, wf_id: str) -> None:
+        """The cache retires a workflow (end signal or inactivity timeout): its nodes' priorities change."""
+        self.tree.refresh_ids(self.ledger.end(wf_id))
+
+    def refresh_keys(self, keys) -> None:
+        """The real future of these prompt keys changed (the clairvoyant policy's distances)."""
+        by_key = self.tree.by_key
+        self.tree.refresh_many(by_key[k] for k in keys if k in by_key)
+
     # ------------------------------------------------------------------ one scheduler step
 
-    def receive(self, t: float, wf: SimWorkflow) -> None:
-        """A call issued at time t arrives; an idle server prefetches through the idle time first."""
+    def idle_until(self, t: float, idle_workflows: Iterable[str]) -> None:
+        """Nothing runs here before t: the clock moves to t, prefetching through the idle time."""
         if t > self.now:
-            self._prefetch(t - self.now)
+            self._prefetch(t - self.now, idle_workflows)
             self.now = t
+
+    def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str]) -> None:
+        """wf's next call, issued at time t, arrives; an idle server prefetches through the idle time first."""
+        self.idle_until(t, idle_workflows)
         self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self))
         self.calls += 1
 
-    def step(self) -> None:
-        """Admit what fits, run one prefill iteration (or a run of decode iterations), finish and predict."""
+    def step(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
+        """Admit what fits, then run one prefill iteration, or a run of identical decode iterations
+        that stops at the first iteration ending at or after `next_event` (the next arrival or
+        retirement anywhere; INF: none). Returns the requests that completed, in order; the caller
+        hands each to `finish`. `idle_workflows`: the workflows prefetch may load for (`_prefetch`)."""
         self._admit()
         if self.prefilling:
-            finished = self._prefill_iteration()
-        elif self.decoding:
-            finished = self._decode_iterations()
-        else:
-            need = self.waiting[0].call.prompt_tokens + self.waiting[0].call.output_tokens
-            raise ValueError(f"a call of workflow {self.waiting[0].wf.id} needs {need} KV tokens, more than "
-                             f"one server's share of sim.gpu_tokens={self.config.gpu_tokens} "
-                             f"(replicas={self.config.replicas}) can hold; raise sim.gpu_tokens")
-        sim = self.sim
-        for request in finished:
-            sim._finish(request)
-        self._predict()
+            return self._prefill_iteration()
+        if self.decoding:
+            return self._decode_iterations(next_event, idle_workflows)
+        need = self.waiting[0].call.prompt_tokens + self.waiting[0].call.output_tokens
+        raise ValueError(f"a call of workflow {self.waiting[0].wf.id} needs {need} KV tokens, more than "
+                         f"one server's share of sim.gpu_tokens={self.config.gpu_tokens} "
+                         f"(replicas={self.config.replicas}) can hold; raise sim.gpu_tokens")
 
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        try_admit, running = self.sim._try_admit, self.sim.running
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
-            if not try_admit(self.waiting[0]):
+            if not self.try_admit(self.waiting[0]):
                 return
             request = self.waiting.popleft()
             request.admitted, request.clocks = self.now, tuple(self.clocks)
             self.trace.append(request)
             self.prefilling.append(request)
-            running[request.wf.id] = request
+            self.running[request.wf.id] = request
 
     def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
@@ -329,17 +369,15 @@ class Server:
         self.prefilling = still
         return finished
 
-    def _decode_iterations(self) -> list[Request]:
+    def _decode_iterations(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
         batch = len(self.decoding)
         kv = sum(r.context for r in self.decoding)
         steps = min(r.decode_left for r in self.decoding)
-        arrivals = self.sim.arrivals  # the next arrival (or retirement) anywhere ends the run of identical iterations
-        next_event = min(arrivals[0][0] if arrivals else INF, self.sim._next_retirement())
-        if next_event < INF:
+        if next_event < INF:  # the next event anywhere ends the run of identical iterations
             gap = next_event - self.now
             steps = max(1, min(steps, math.ceil(gap / self.cost.decode_step_s(batch, kv))))
         seconds = steps * self.cost.decode_step_s(batch, kv + batch * (steps - 1) / 2)
-        self._prefetch(seconds)
+        self._prefetch(seconds, idle_workflows)
         self.now += seconds
         self.clocks[1] += seconds
         finished, still = [], []
@@ -353,8 +391,9 @@ class Server:
     # ------------------------------------------------------------------ finishing
 
     def finish(self, r: Request) -> None:
-        """The cache side of a finished call: prompt + output inserted, the path unlocked."""
+        """The cache side of a completed call: prompt + output inserted, the path unlocked."""
         wf, call, tree = r.wf, r.call, self.tree
+        del self.running[wf.id]
         units, lens, keys = call.units, call.lens, call.keys
         if call.output_tokens > 0:
             units, lens = units + (call.output_unit,), lens + (call.output_tokens,)
@@ -379,10 +418,10 @@ class Server:
         self.counters.ttfts.append(r.ttft)
         self.counters.kv_tokens_read += call.prompt_tokens * call.output_tokens
 
-    def _predict(self) -> None:
-        batch = [w for w in self.to_predict if self.ledger.is_live(w.id)]
-        self.to_predict = []
-        predictions = self.sim.predictions
+    def predict(self, workflows: list[SimWorkflow], predictions: PredictionSource | None) -> None:
+        """One batched predictor call for the workflows whose call finished in this step (those the
+        cache has not retired); their nodes' priorities follow the new predictions."""
+        batch = [w for w in workflows if self.ledger.is_live(w.id)]
         if not batch or predictions is None:
             return
         started = time.perf_counter()
@@ -401,16 +440,18 @@ class Server:
 
     # ------------------------------------------------------------------ prefetch
 
-    def _prefetch(self, seconds: float) -> None:
+    def _prefetch(self, seconds: float, idle_workflows: Iterable[str]) -> None:
         """Load host-only cache that idle workflows are predicted to read next (decode-only
-        iterations and idle time only, within the PCIe bandwidth of that time)."""
+        iterations and idle time only, within the PCIe bandwidth of that time). `idle_workflows`:
+        the workflows the Simulator knows of (live, or finished and not yet retired) with no call
+        admitted anywhere when it handed over the event; those admitted here since are skipped."""
         if not self.prefetch.enabled or seconds <= 0:
             return
         budget = self.cost.pcie_tokens(seconds)
         tree = self.tree
-        running = self.sim.running
+        running = self.running
         candidates = {}
-        for wf_id in itertools.chain(self.sim.live, self.sim.finished):
+        for wf_id in idle_workflows:
             if wf_id in running:
                 continue
             for node_id in self.ledger.nodes_of.get(wf_id, ()):
@@ -446,12 +487,19 @@ class Server:
 
 
 class Simulator:
-    """The closed-loop client, the router and `config.replicas` servers on one event clock.
+    """The closed-loop client, the router and `config.replicas` servers on one event clock: the
+    one driver of the replay.
 
-    Each server keeps its own clock (the end of its last iteration); the loop always handles the
-    earliest event: a call arriving (routed, then queued at its server) or the step of the busy
-    server whose clock is earliest. With one server this is exactly the single-server loop.
-    `config.gpu_tokens` is the cluster's total: each replica gets gpu_tokens // replicas."""
+    It alone owns the workflows' progress (the queue of workflows to start, the live set, the
+    finished ones the cache has not retired), the heaps of call arrivals and of retirements (end
+    signals and inactivity timeouts), and the order of events. Each server keeps its own clock
+    (the end of its last iteration); the loop always handles the earliest event: a retirement, a
+    call arriving (routed, then queued at its server), or the step of the busy server whose clock
+    is earliest (on a tie, in that order). A step's completed calls are finished one by one (the
+    server inserts the call into its cache, then the Simulator schedules the workflow's next
+    call or ends it), then the server applies one batch of predictions. With one server this is
+    exactly the single-server loop. `config.gpu_tokens` is the cluster's total: each replica gets
+    gpu_tokens // replicas."""
 
     def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str = "none",
@@ -462,8 +510,9 @@ class Simulator:
         self.workflows, self.config, self.cost = workflows, config, cost
         self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
         self.predictions = predictions
-        self.servers = [Server(self, i, config.gpu_tokens // config.replicas, policy, policy_options, prefetch, gamma,
-                               record_decisions) for i in range(config.replicas)]
+        self.servers = [Server(config, cost, config.gpu_tokens // config.replicas, policy, policy_options, prefetch,
+                               gamma, next_use=self.future.next_use if self.future else None,
+                               record_decisions=record_decisions) for _ in range(config.replicas)]
         first = self.servers[0]
         if (first.policy.uses_predictions or first.prefetch.enabled) and predictions is None:
             raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
@@ -472,17 +521,18 @@ class Simulator:
             raise ValueError(f"routing '{config.routing}' needs a prediction source")
         self.pending = deque(workflows)
         self.live: dict[str, SimWorkflow] = {}
-        self.running: dict[str, Request] = {}  # workflow id -> its request in flight
-        self.arrivals: list = []
+        self.arrivals: list = []  # heap of (time, seq, workflow) of issued calls not yet arrived
         self._seq = itertools.count()
         lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
         self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
         # SGLang's own orders without prefetch never read the ledger: when a workflow is retired
         # cannot change what they do, so they retire it with its last call (no extra events)
         self.immediate_end = first.policy.served_by == "sglang" and not first.prefetch.enabled
+        self.prefetching = first.prefetch.enabled
         self.finished: dict[str, SimWorkflow] = {}  # done, but not yet retired by the cache
         self.idle_since: dict[str, float] = {}  # workflow -> time its last call finished (no call since)
         self.retirements: list = []  # heap of (time, seq, workflow id, idle stamp or None for the end signal)
+        self.to_predict: list[SimWorkflow] = []  # workflows whose call finished in the current step
 
     # the single server's state, for callers that drive one server
     @property
@@ -516,7 +566,7 @@ class Simulator:
             wf.start_time = now
             self.live[wf.id] = wf
             for server in self.servers:
-                server.ledger.start(wf.id)
+                server.start_workflow(wf.id)
             self._arrive_at(now, wf)
             if self.future:
                 self.future.next_start = wf.order + 1
@@ -528,36 +578,60 @@ class Simulator:
     def _refresh_future(self, wf: SimWorkflow) -> None:
         keys = self.future.keys_touched(wf)
         for server in self.servers:
-            by_key = server.tree.by_key
-            server.tree.refresh_many(by_key[k] for k in keys if k in by_key)
+            server.refresh_keys(keys)
+
+    def _idle_workflows(self) -> Iterable[str]:
+        """What prefetch may load for: live and finished (not yet retired) workflows with no call
+        admitted on any server (a queued call's cache is not locked yet); none without prefetch.
+        A server skips the calls admitted on it itself, so with one server these are all the
+        workflows known (an iterator, read once, in the same event: most steps do not prefetch)."""
+        if not self.prefetching:
+            return ()
+        known = itertools.chain(self.live, self.finished)
+        if len(self.servers) == 1:
+            return known
+        running = {w for s in self.servers for w in s.running}
+        return [w for w in known if w not in running]
 
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> Counters:
         self._start_workflows(0.0)
-        servers, arrivals, router = self.servers, self.arrivals, self.router
+        servers, arrivals = self.servers, self.arrivals
         while True:
-            server = None
+            server = None  # the busy server whose clock is earliest
             for s in servers:
-                if (s.waiting or s.prefilling or s.decoding) and (server is None or s.now < server.now):
+                if s.busy and (server is None or s.now < server.now):
                     server = s
+            next_arrival = arrivals[0][0] if arrivals else INF
             retire_at = self._next_retirement()
-            if retire_at < INF and (arrivals or server) and retire_at <= min(
-                    arrivals[0][0] if arrivals else INF, server.now if server else INF):
+            if retire_at < INF and (arrivals or server) and retire_at <= min(next_arrival,
+                                                                              server.now if server else INF):
                 self._retire_next()
-                continue
-            if arrivals and (server is None or arrivals[0][0] <= server.now):
-                t, _, wf = heapq.heappop(arrivals)
-                self.idle_since.pop(wf.id, None)
-                for s in servers:
-                    if not s.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
-                        s.ledger.start(wf.id)
-                servers[router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf)
-                continue
-            if server is None:
+            elif arrivals and (server is None or next_arrival <= server.now):
+                self._arrive()
+            elif server is None:
                 break
-            server.step()
+            else:
+                self._step(server, min(next_arrival, retire_at))
         return self.counters()
+
+    def _arrive(self) -> None:
+        """The earliest issued call arrives: routed to a server, queued there."""
+        t, _, wf = heapq.heappop(self.arrivals)
+        self.idle_since.pop(wf.id, None)
+        servers = self.servers
+        for s in servers:
+            if not s.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
+                s.start_workflow(wf.id)
+        servers[self.router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf, self._idle_workflows())
+
+    def _step(self, server: Server, next_event: float) -> None:
+        """One scheduler step of `server`; then each completed call finished, then its predictions."""
+        for request in server.step(next_event, self._idle_workflows()):
+            self._finish(request)
+        to_predict, self.to_predict = self.to_predict, []
+        server.predict(to_predict, self.predictions)
 
     def counters(self) -> Counters:
         """The cluster's counters: the one server's, or the sum over servers."""
@@ -569,17 +643,14 @@ class Simulator:
                 setattr(total, f.name, getattr(total, f.name) + getattr(s.counters, f.name))
         return total
 
-    def _try_admit(self, r: Request) -> bool:
-        return r.server.try_admit(r)
-
     def _finish(self, r: Request) -> None:
+        """A call completed on r.server: its cache side there, then the workflow's next call or its end."""
         server, wf = r.server, r.wf
         server.finish(r)
-        del self.running[wf.id]
         wf.next_call += 1
         if wf.next_call < len(wf.calls):
             self._arrive_at(server.now + wf.calls[wf.next_call].tool_time, wf)
-            server.to_predict.append(wf)
+            self.to_predict.append(wf)
             self._wait_for_call(wf, server.now)
         else:
             server.counters.latencies.append(server.now - wf.start_time)
@@ -592,7 +663,6 @@ class Simulator:
             self.future.first_live = min((w.order for w in self.live.values()), default=self.future.next_start)
             self._refresh_future(wf)
 
-
     # ------------------------------------------------------------------ end of workflows
 
     def _wait_for_call(self, wf: SimWorkflow, now: float) -> None:
@@ -603,7 +673,7 @@ class Simulator:
 
     def _retire(self, wf_id: str) -> None:
         for s in self.servers:
-            s.tree.refresh_ids(s.ledger.end(wf_id))
+            s.retire_workflow(wf_id)
 
     def _end_of_workflow(self, wf: SimWorkflow, server: Server) -> None:
         if self.immediate_end or (wf.id not in self.lost_signal and self.config.end_signal_delay_s == 0):
@@ -611,7 +681,7 @@ class Simulator:
             self._retire(wf.id)
             return
         self.finished[wf.id] = wf
-        server.to_predict.append(wf)  # the cache does not know yet that this was the last call
+        self.to_predict.append(wf)  # the cache does not know yet that this was the last call
         self._wait_for_call(wf, server.now)
         if wf.id not in self.lost_signal:
             heapq.heappush(self.retirements, (server.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
@@ -638,10 +708,10 @@ class Simulator:
         else:
             c.live_timeouts += 1
         self.idle_since.pop(wf_id, None)
+        idle = self._idle_workflows()
         for s in self.servers:  # an idle server's clock moves to the retirement
-            if not (s.waiting or s.prefilling or s.decoding) and s.now < t:
-                s._prefetch(t - s.now)
-                s.now = t
+            if not s.busy:
+                s.idle_until(t, idle)
         self._retire(wf_id)
 
 

@@ -13,8 +13,8 @@ from data.generators import Hover, SweBench
 from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
-from serving_integration.cache.workload import SimWorkflow, workflows_from_rows
-from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics, simulate
+from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys, workflows_from_rows
+from serving_integration.simulator.engine import INF, Server, SimConfig, Simulator, bound_metrics, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -59,15 +59,14 @@ def test_tree_invariants_under_random_operations(ops, gpu, host):
 
 
 class AuditedSimulator(Simulator):
-    """Checks the invariants after every finished call and every admission."""
+    """Checks the invariants after every scheduler step (admissions included) and every finished call."""
 
-    def _try_admit(self, r):
-        admitted = super()._try_admit(r)
-        audit(self.tree)
-        if admitted:
+    def _step(self, server, next_event):
+        super()._step(server, next_event)
+        audit(server.tree)
+        for r in server.prefilling + server.decoding:
             assert r.gpu_hit + r.host_hit + r.miss == r.call.prompt_tokens
             assert 0 <= r.gpu_hit and 0 <= r.host_hit and 0 <= r.miss
-        return admitted
 
     def _finish(self, r):
         super()._finish(r)
@@ -124,6 +123,29 @@ def test_same_input_same_summary():
     other = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
                      predictions=NoisySource(PerfectSource(names, 3), 0.3, seed=6))
     assert other != runs[0]
+
+
+def test_a_server_is_driven_from_outside_and_never_calls_back():
+    """A replica runs without a Simulator: handed a call, then steps, it returns the completed call;
+    the workflow's next call (the first's prompt, its output and a tool result) then hits the
+    cache the first one left: prompt and output, 900 tokens, on the GPU."""
+    first = SimCall("coder", ("sys", "task"), (500, 300), prefix_keys(("sys", "task")), "out0", 100, 0.0, None)
+    units = ("sys", "task", "out0", "tool0")
+    second = SimCall("coder", units, (500, 300, 100, 50), prefix_keys(units), "out1", 20, 1.5, None)
+    wf = SimWorkflow("w", 0, "task", [first, second])
+    config = SimConfig(gpu_tokens=10_000)
+    server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+    assert not any(isinstance(v, Simulator) for v in vars(server).values())
+    for call in wf.calls:
+        server.receive(server.now + call.tool_time, wf, ())
+        done = []
+        while not done:
+            done = server.step(INF, ())
+        assert [r.call for r in done] == [call] and not server.busy
+        server.finish(done[0])
+        wf.next_call += 1
+    assert [(r.gpu_hit, r.host_hit, r.miss) for r in server.trace[::2]] == [(0, 0, 800), (900, 0, 50)]
+    assert server.counters.gpu_hit_tokens == 900 and server.tree.private_gpu == 0 and not server.running
 
 
 def test_too_small_gpu_is_a_clear_error():

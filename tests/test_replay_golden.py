@@ -1,0 +1,189 @@
+"""Whole replays pinned to the numbers the simulator gave when they were written down: a change to
+the event loop, the scheduler, a policy or a predictor that moves any decision changes a row here.
+
+Each case replays a small generated workload (a few hundred calls, milliseconds) under one
+policy, prefetch mode, end-signal setting and cluster shape; together they pass through every
+path of serving_integration/simulator/engine.py (admission, chunked prefill, decode runs cut at
+the next event, idle-time and decode-time prefetch, delayed and lost end signals, the inactivity
+timeout of finished and of live workflows, charged predictor time, the oracle's future index, two
+replicas behind each router). Counts are compared exactly, and so are the float metrics: the
+replay is plain IEEE arithmetic in a fixed order, so the same code gives the same bits.
+
+A change that is meant to move results updates GOLDEN with the new numbers (print them with
+`python -m tests.test_replay_golden`) and says why in its commit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from models.markov import MarkovPredictor
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, NoisySource, OnlineBackoff, \
+    PerfectSource, vocabulary
+from serving_integration.simulator.engine import SimConfig, simulate
+from tests.test_simulator import H100, small_workload
+
+METRICS = ("gpu_hit_tokens", "host_hit_tokens", "prompt_tokens", "recomputed_tokens", "prefetched_tokens",
+           "predictor_calls", "ended_by_signal", "ended_by_timeout", "live_timeouts", "replica_calls", "migrations",
+           "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s",
+           "time_queue_s", "time_pcie_s")
+
+
+def sources(kind: str, workflows):
+    """The prediction sources a case can name, fitted on another draw of the same workload."""
+    train = small_workload(kind, 30, 99)
+    sequences = [[c.agent for c in w.calls] for w in train]
+    names = vocabulary([a for s in sequences for a in s] + [c.agent for w in workflows for c in w.calls])
+    index = {a: i for i, a in enumerate(names)}
+    markov = MarkovPredictor.from_sequences(names, 3, [[index[a] for a in s] for s in sequences], order=1)
+    return {"perfect": lambda: PerfectSource(names, 3),
+            "noisy": lambda: NoisySource(PerfectSource(names, 3), 0.3, seed=4),
+            "online_markov": lambda: OnlineBackoff(ModelSource(markov)),
+            "step_graph": lambda: AgentStepGraph.from_traces(sequences, 3, names)}
+
+
+# name -> (workload, workflows, workload seed, SimConfig fields, simulate() arguments; "predictions" names a source)
+CASES = {
+    "lru": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6), dict(policy="lru")),
+    "lfu_page16": ("swebench", 8, 1, dict(gpu_tokens=120_000, concurrency=4, page_size=16), dict(policy="lfu")),
+    "kvflow_aggressive": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
+                          dict(policy="kvflow", prefetch="aggressive", predictions="step_graph")),
+    "pbkv_lae_end_delay": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.5),
+                           dict(policy="pbkv_lae")),
+    "pbkv_conservative_online": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.0),
+                                 dict(policy="pbkv", prefetch="conservative", predictions="online_markov")),
+    "pbkv_aggressive_lost_signals": ("hover", 16, 2, dict(gpu_tokens=50_000, concurrency=6, end_signal_delay_s=0.5,
+                                                          end_signal_loss=0.5, inactivity_timeout_s=3.0, seed=2,
+                                                          predictor_cost_s=0.01),
+                                     dict(policy="pbkv", prefetch="aggressive", predictions="noisy")),
+    "oracle_conservative": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
+                            dict(policy="oracle", prefetch="conservative", predictions="perfect")),
+    **{f"two_replicas_{routing}": ("hover", 16, 1, dict(gpu_tokens=80_000, concurrency=8, replicas=2, routing=routing,
+                                                         end_signal_delay_s=1.0, end_signal_loss=0.3,
+                                                         inactivity_timeout_s=4.0, seed=1),
+                                   dict(policy="pbkv", prefetch="conservative", predictions="perfect"))
+       for routing in ("round_robin", "cache_aware", "sticky", "pbkv")},
+}
+
+
+def replay(name: str) -> dict:
+    kind, n, seed, config, policy = CASES[name]
+    workflows = small_workload(kind, n, seed)
+    policy = dict(policy)
+    if "predictions" in policy:
+        policy["predictions"] = sources(kind, workflows)[policy["predictions"]]()
+    row = simulate(workflows, SimConfig(**config), H100, bound=False, **policy)
+    return {m: row[m] for m in METRICS}
+
+
+GOLDEN = {  # recorded from the code of the commit that added this test
+    'kvflow_aggressive': {
+        'gpu_hit_tokens': 355339, 'host_hit_tokens': 120027, 'prompt_tokens': 1059700, 'recomputed_tokens': 94508,
+        'prefetched_tokens': 222205, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.15636636303282,
+        'p99_workflow_latency_s': 87.66543276462893, 'mean_ttft_s': 0.5702886756478391, 'throughput_calls_per_s':
+        1.1081858995737641, 'time_queue_s': 2.3390566482161144, 'time_pcie_s': 0.1280962
+    },
+    'lfu_page16': {
+        'gpu_hit_tokens': 311760, 'host_hit_tokens': 43392, 'prompt_tokens': 704577, 'recomputed_tokens': 0,
+        'prefetched_tokens': 0, 'predictor_calls': 0, 'ended_by_signal': 8, 'ended_by_timeout': 0, 'live_timeouts':
+        0, 'replica_calls': [50], 'migrations': 0, 'mean_workflow_latency_s': 117.20979455319647,
+        'p99_workflow_latency_s': 333.47619784883835, 'mean_ttft_s': 0.5975667410598186, 'throughput_calls_per_s':
+        0.11989223891073318, 'time_queue_s': 0.16635149372164149, 'time_pcie_s': 0.034496
+    },
+    'lru': {
+        'gpu_hit_tokens': 180603, 'host_hit_tokens': 181318, 'prompt_tokens': 1059700, 'recomputed_tokens': 207953,
+        'prefetched_tokens': 0, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0, 'live_timeouts':
+        0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.745084760359475,
+        'p99_workflow_latency_s': 88.07531751603695, 'mean_ttft_s': 0.5686652289627924, 'throughput_calls_per_s':
+        1.0489330055665738, 'time_queue_s': 2.045059835557584, 'time_pcie_s': 0.2017753999999999
+    },
+    'oracle_conservative': {
+        'gpu_hit_tokens': 328400, 'host_hit_tokens': 201063, 'prompt_tokens': 1059700, 'recomputed_tokens': 40411,
+        'prefetched_tokens': 62665, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 41.80901053370227,
+        'p99_workflow_latency_s': 84.18517650063846, 'mean_ttft_s': 0.4959845337591488, 'throughput_calls_per_s':
+        1.1396599601636517, 'time_queue_s': 2.0787141992509666, 'time_pcie_s': 0.20142540000000014
+    },
+    'pbkv_aggressive_lost_signals': {
+        'gpu_hit_tokens': 229876, 'host_hit_tokens': 77995, 'prompt_tokens': 656697, 'recomputed_tokens': 0,
+        'prefetched_tokens': 833732, 'predictor_calls': 114, 'ended_by_signal': 8, 'ended_by_timeout': 6,
+        'live_timeouts': 1, 'replica_calls': [115], 'migrations': 0, 'mean_workflow_latency_s': 30.38651501677923,
+        'p99_workflow_latency_s': 48.272242870434674, 'mean_ttft_s': 0.2370669099783462, 'throughput_calls_per_s':
+        1.303752889619508, 'time_queue_s': 0.18177119061974778, 'time_pcie_s': 0.08134299999999997
+    },
+    'pbkv_conservative_online': {
+        'gpu_hit_tokens': 324285, 'host_hit_tokens': 154057, 'prompt_tokens': 1059700, 'recomputed_tokens': 91532,
+        'prefetched_tokens': 209684, 'predictor_calls': 146, 'ended_by_signal': 15, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.059902299872114,
+        'p99_workflow_latency_s': 87.72660803664321, 'mean_ttft_s': 0.5608620608294707, 'throughput_calls_per_s':
+        1.1126519175415306, 'time_queue_s': 2.2954002727311007, 'time_pcie_s': 0.16193860000000002
+    },
+    'pbkv_lae_end_delay': {
+        'gpu_hit_tokens': 183945, 'host_hit_tokens': 219472, 'prompt_tokens': 1059700, 'recomputed_tokens': 166457,
+        'prefetched_tokens': 0, 'predictor_calls': 0, 'ended_by_signal': 15, 'ended_by_timeout': 0, 'live_timeouts':
+        0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.1470574347297,
+        'p99_workflow_latency_s': 91.67650563977232, 'mean_ttft_s': 0.6305015109216111, 'throughput_calls_per_s':
+        1.0651140620690127, 'time_queue_s': 2.6962041261478626, 'time_pcie_s': 0.24025279999999993
+    },
+    'two_replicas_cache_aware': {
+        'gpu_hit_tokens': 221955, 'host_hit_tokens': 83209, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
+        'prefetched_tokens': 2768, 'predictor_calls': 119, 'ended_by_signal': 12, 'ended_by_timeout': 2,
+        'live_timeouts': 0, 'replica_calls': [69, 51], 'migrations': 47, 'mean_workflow_latency_s':
+        27.095671149443163, 'p99_workflow_latency_s': 45.76817669972552, 'mean_ttft_s': 0.273568246254614,
+        'throughput_calls_per_s': 1.6929730943011427, 'time_queue_s': 0.6367624257419107, 'time_pcie_s':
+        0.047841800000000004
+    },
+    'two_replicas_pbkv': {
+        'gpu_hit_tokens': 240085, 'host_hit_tokens': 61423, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
+        'prefetched_tokens': 0, 'predictor_calls': 120, 'ended_by_signal': 13, 'ended_by_timeout': 2,
+        'live_timeouts': 0, 'replica_calls': [68, 52], 'migrations': 3, 'mean_workflow_latency_s':
+        26.831549627433088, 'p99_workflow_latency_s': 49.699938361736045, 'mean_ttft_s': 0.23923554549581388,
+        'throughput_calls_per_s': 1.6625657524667687, 'time_queue_s': 0.18297886571926242, 'time_pcie_s': 0.0354362
+    },
+    'two_replicas_round_robin': {
+        'gpu_hit_tokens': 146250, 'host_hit_tokens': 51938, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
+        'prefetched_tokens': 6191, 'predictor_calls': 117, 'ended_by_signal': 13, 'ended_by_timeout': 2,
+        'live_timeouts': 0, 'replica_calls': [60, 60], 'migrations': 49, 'mean_workflow_latency_s':
+        28.66925940855667, 'p99_workflow_latency_s': 52.25554257757621, 'mean_ttft_s': 0.31047856517414213,
+        'throughput_calls_per_s': 1.5924959585402598, 'time_queue_s': 0.773031929773994, 'time_pcie_s': 0.0257982
+    },
+    'two_replicas_sticky': {
+        'gpu_hit_tokens': 243247, 'host_hit_tokens': 65012, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
+        'prefetched_tokens': 2888, 'predictor_calls': 119, 'ended_by_signal': 13, 'ended_by_timeout': 2,
+        'live_timeouts': 0, 'replica_calls': [56, 64], 'migrations': 0, 'mean_workflow_latency_s':
+        26.593751163800782, 'p99_workflow_latency_s': 46.47089714462514, 'mean_ttft_s': 0.2309774179192451,
+        'throughput_calls_per_s': 1.6853743506462917, 'time_queue_s': 0.13171560312532238, 'time_pcie_s': 0.036005
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replay_matches_the_recorded_numbers(name):
+    assert replay(name) == GOLDEN[name]
+
+
+def test_the_cases_cover_every_path():
+    """Each path named in the module docstring happens in at least one case (else the pins miss it)."""
+    rows = GOLDEN.values()
+    assert any(r["prefetched_tokens"] for r in rows) and any(r["host_hit_tokens"] for r in rows)
+    assert any(r["ended_by_timeout"] for r in rows) and any(r["live_timeouts"] for r in rows)
+    assert any(r["migrations"] for r in rows) and all(sum(r["replica_calls"]) for r in rows)
+    assert all(math.isfinite(r["mean_workflow_latency_s"]) for r in rows)
+
+
+def golden_source(golden: dict) -> str:
+    """GOLDEN as it is written above, for pasting after a change meant to move results."""
+    import textwrap
+
+    lines = ["GOLDEN = {"]
+    for case, row in golden.items():
+        items = ", ".join(f"{k!r}: {v!r}" for k, v in row.items())
+        lines += [f"    {case!r}: {{", *textwrap.wrap(items, 116, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                                   break_long_words=False, break_on_hyphens=False), "    },"]
+    return "\n".join([*lines, "}"])
+
+
+if __name__ == "__main__":
+    print(golden_source({case: replay(case) for case in sorted(CASES)}))
