@@ -10,7 +10,7 @@ replicas behind each router). Counts are compared exactly, and so are the float 
 replay is plain IEEE arithmetic in a fixed order, so the same code gives the same bits.
 
 A change that is meant to move results updates GOLDEN with the new numbers (print them with
-`python -m tests.test_replay_golden`) and says why in its commit."""
+`python -m tests.simulator.test_replay_golden`) and says why in its commit."""
 
 from __future__ import annotations
 
