@@ -22,7 +22,7 @@ from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import AgentStepGraph, ModelSource, NoisySource, OnlineBackoff, \
     PerfectSource, vocabulary
 from serving_integration.simulator.engine import SimConfig, simulate
-from tests.test_simulator import H100, small_workload
+from tests.simulator.test_simulator import H100, small_workload
 
 METRICS = ("gpu_hit_tokens", "host_hit_tokens", "prompt_tokens", "recomputed_tokens", "prefetched_tokens",
            "predictor_calls", "ended_by_signal", "ended_by_timeout", "live_timeouts", "replica_calls", "migrations",
