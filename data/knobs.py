@@ -138,8 +138,9 @@ def check(obj) -> None:
         if value == MISSING:  # a mandatory value not given yet: build() and Hydra report it by name
             continue
         hint = hints.get(f.name, Any)
-        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):  # a nested group, in field order
-            value = build(value, hint, f.name)
+        nested = _knobs_class(hint)
+        if nested is not None and isinstance(value, Mapping):  # a nested group, in field order
+            value = build(value, nested, f.name)
             object.__setattr__(obj, f.name, value)
         reason = _type_reason(value, hint)
         if reason is None and value is not None:
@@ -152,6 +153,13 @@ def check(obj) -> None:
                 index, _, rest = reason.partition("=")
                 raise ConfigError(f"{f.name}{index}={rest}")
             raise ConfigError(f"{f.name}={shown(value)}: {reason}")
+
+
+def _knobs_class(hint):
+    """The dataclass a field is typed by (also inside Optional[...]), else None."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
 
 
 def _type_reason(value, hint) -> Optional[str]:
