@@ -38,7 +38,7 @@ def assert_bad_setting(base, check, key, value, message):
     from data.errors import ConfigError
 
     if not callable(check):  # a schema of the pydantic checks evaluate.py still uses
-        from data.config_checks import validate
+        from serving_integration.experiments.evaluate_checks import validate
 
         schema, check = check, lambda cfg: validate(cfg, schema)
     cfg = base.copy()
