@@ -260,3 +260,17 @@ def shown(value) -> str:
     if isinstance(value, str) and (value == "" or value.strip() != value):
         return repr(value)
     return str(value)
+
+
+def knob_table(cls, skip: Iterable[str] = ()) -> str:
+    """The knobs of `cls` as a markdown table (name, default, help): what the configuration docs show,
+    so that a test can hold them to the dataclass. Hydra keys (``_target_``) and `skip` are left out."""
+    rows = ["| knob | default | what it sets |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or f.name in set(skip):
+            continue
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = "(group)" if dataclasses.is_dataclass(value) else "required" if value == MISSING else \
+            f"`{shown(value)}`"
+        rows.append(f"| `{f.name}` | {default} | {f.metadata.get('help', '')} |")
+    return "\n".join(rows)

@@ -24,8 +24,8 @@ CASES = [
     ("datamodule.max_path", -1, "datamodule.max_path=-1: Input should be greater than or equal to 1"),
     ("datamodule.text_source", "pixels", "datamodule.text_source=pixels: should be one of auto, hidden, encoder, "
                                          "none"),
-    ("model.optimizer.lr", 0, "model.optimizer.lr=0: Input should be greater than 0"),
-    ("model.optimizer.weight_decay", -1, "model.optimizer.weight_decay=-1: Input should be greater than or equal to 0"),
+    ("model.optimizer.lr", 0, "model.optimizer.lr=0.0: Input should be greater than 0"),
+    ("model.optimizer.weight_decay", -1, "model.optimizer.weight_decay=-1.0: Input should be greater than or equal to 0"),
     ("trainer.max_epochs", -2, "trainer.max_epochs=-2: Input should be greater than or equal to -1"),
     ("data.path", "/no/such/dataset", "data.path=/no/such/dataset: no such directory"),
     ("data.split.test", 1.0, "data.split.test=1.0: Input should be less than 1"),
@@ -41,19 +41,19 @@ CASES = [
 # the predictor families' knobs (models/config.py): (model, key, value, message)
 MODEL_CASES = [
     ("graphsage", "model.predictor.layers", 0, "model.predictor.layers=0: Input should be greater than or equal to 1"),
-    ("graphsage", "model.predictor.identity_dropout", 5, "model.predictor.identity_dropout=5: Input should be less "
+    ("graphsage", "model.predictor.identity_dropout", 5, "model.predictor.identity_dropout=5.0: Input should be less "
                                                          "than or equal to 1"),
-    ("graphsage", "model.predictor.dropout", 2, "model.predictor.dropout=2: Input should be less than 1"),
+    ("graphsage", "model.predictor.dropout", 2, "model.predictor.dropout=2.0: Input should be less than 1"),
     ("graphsage", "model.predictor.dim", -1, "model.predictor.dim=-1: Input should be greater than or equal to 1"),
     ("graphsage", "model.predictor.max_steps", 0, "model.predictor.max_steps=0: Input should be greater than or "
                                                   "equal to 1"),
     ("rgcn", "model.predictor.num_bases", 0, "model.predictor.num_bases=0: Input should be greater than or equal to 1"),
-    ("intent_residual", "model.predictor.decay", -1, "model.predictor.decay=-1: Input should be greater than or "
+    ("intent_residual", "model.predictor.decay", -1, "model.predictor.decay=-1.0: Input should be greater than or "
                                                      "equal to 0"),
-    ("intent_residual", "model.predictor.prior.alpha", 0, "model.predictor.prior.alpha=0: Input should be greater "
+    ("intent_residual", "model.predictor.prior.alpha", 0, "model.predictor.prior.alpha=0.0: Input should be greater "
                                                           "than 0"),
     ("markov", "model.predictor.order", -1, "model.predictor.order=-1: Input should be greater than or equal to 0"),
-    ("markov", "model.predictor.backoff", 0, "model.predictor.backoff=0: Input should be greater than 0"),
+    ("markov", "model.predictor.backoff", 0, "model.predictor.backoff=0.0: Input should be greater than 0"),
     ("graphsage", "model.text_encoder.batch_size", 0, "model.text_encoder.batch_size=0: Input should be greater "
                                                       "than or equal to 1"),
     ("graphsage", "callbacks.early_stopping.patience", -1, "callbacks.early_stopping.patience=-1: Input should be "
