@@ -18,8 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import check_output
-from data.config_checks import SCHEMAS, validate
+from data.config import data_config  # also registers the data schemas conf/ names
 from data.errors import run_reported
+from serving_integration.experiments.evaluate_checks import evaluate_schema, validate
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
@@ -34,8 +35,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
-    """Validate the config (data.config_checks) and the run directory, then evaluate."""
-    validate(cfg, SCHEMAS["evaluate"]())
+    """Check the config (the serving groups, then the data node) and the run directory, then evaluate."""
+    validate(cfg, evaluate_schema())
+    data_config(cfg.data)
     check_output(run_dir, [cfg.data.path, cfg.predictor.checkpoint])
     summary = evaluate(cfg, run_dir)
     plots = plot(summary["rows"], run_dir)

@@ -4,7 +4,8 @@
     python train.py model=markov data.path=DIR hydra.run.dir=RUN
     python train.py -m model=graphsage,rgcn,markov,intent_residual seed=0,1,2
 
-The run directory gets metrics.json, predictor.pt (load it with models.load_predictor), the
+Hydra key=value overrides of conf/train.yaml; each knob's default, range and help live in one
+dataclass (models/config.py, data/config.py; docs/configuration-data.md). The run directory gets metrics.json, predictor.pt (load it with models.load_predictor), the
 Lightning checkpoints and the csv / wandb logs. The logic lives in models/training.py.
 """
 
@@ -16,8 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import check_output
-from data.config_checks import SCHEMAS, validate
 from data.errors import run_reported
+from models.config import train_config  # also registers the schemas conf/ names
 from models.training import optimized_value, train
 
 
@@ -31,8 +32,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> float | None:
-    """Validate the config (data.config_checks) and the run directory, then train."""
-    validate(cfg, SCHEMAS["train"]())
+    """Check the config (models.config.train_config) and the run directory, then train."""
+    train_config(cfg)
     check_output(run_dir, [cfg.data.get("path")])
     return optimized_value(cfg, train(cfg, run_dir))
 

@@ -1,6 +1,6 @@
-"""Shared plumbing of the `python -m data.*` commands: Hydra-style key=value arguments composed
-against conf/ and validated (data.config_checks), and one way to report failures (one line on
-stderr; data.errors.run_reported gives the exit status)."""
+"""Shared plumbing of the `python -m data.*` commands: Hydra key=value overrides composed against
+conf/ (typed by the schemas of data/config.py), the settings built into their checked dataclass,
+and one way to report failures (one line on stderr; data.errors.run_reported gives the exit status)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Callable
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from data import CONF_DIR, store  # noqa: F401  (CONF_DIR: the configs the CLIs compose)
-from data.config_checks import SCHEMAS, validate
+import data.config  # noqa: F401  (registers the schemas the configs name)
+from data import CONF_DIR, store
 from data.errors import run_reported
+from data.knobs import build
 from data.schema import Traces
 from data.stats import format_stats
-
 
 
 def compose_config(name: str, argv: list[str]) -> DictConfig:
@@ -23,14 +23,15 @@ def compose_config(name: str, argv: list[str]) -> DictConfig:
         return compose(config_name=name, overrides=argv)
 
 
-def run_command(config_name: str, body: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
-    """Compose the config, validate it (data.config_checks.SCHEMAS[config_name]), then run `body`;
-    returns the exit status."""
+def run_command(config_name: str, schema: type, body: Callable[[DictConfig], None],
+                argv: list[str] | None = None) -> int:
+    """Compose conf/<config_name>.yaml with the overrides, check it (``build(cfg, schema)``), then
+    run `body`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
 
     def checked():
         cfg = compose_config(config_name, argv)
-        validate(cfg, SCHEMAS[config_name]())
+        build(cfg, schema)
         body(cfg)
     return run_reported(checked)
 

@@ -55,9 +55,7 @@ def run_reported(body, *args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except (HydraException, OmegaConfBaseException) as e:
-        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        key = getattr(e, "full_key", None)
-        print(f"error: {key}: {line}" if key and key not in line else f"error: {line}", file=sys.stderr)
+        print(f"error: {config_error_line(e)}", file=sys.stderr)
         return EXIT_CONFIG
     except TraceValidationError as e:
         print(f"error: {e}\nnothing was written", file=sys.stderr)
@@ -69,3 +67,26 @@ def run_reported(body, *args) -> int:
         print("interrupted: no output was written or changed", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+# OmegaConf's wording of a value the schema's type refuses -> the wording of the range checks
+_TYPE_REASONS = {"Integer": "Input should be a valid integer", "Float": "Input should be a valid number",
+                 "bool": "Input should be a valid boolean"}
+
+
+def config_error_line(e: Exception) -> str:
+    """One line for a Hydra / OmegaConf error. A value of the wrong type for its schema (an override
+    merged at compose time) reads as the range checks do: ``n_workflows=ten: Input should be a
+    valid integer``; others give their first line, with the key they name."""
+    import re
+
+    cause = e.__cause__ if getattr(e.__cause__, "full_key", None) else e
+    line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    key = getattr(cause, "full_key", None)
+    wrong = re.match(r"Value '(.*)' (?:of type '\w+' could not be converted to (Integer|Float)|is not a valid (bool))",
+                     line)
+    if key and wrong:
+        return f"{key}={wrong.group(1)}: {_TYPE_REASONS[wrong.group(2) or wrong.group(3)]}"
+    if cause is not e:  # a failed override: the override's line, then why
+        return f"{(str(e).strip().splitlines() or [''])[0].rstrip('.')}: {line}"
+    return f"{key}: {line}" if key and key not in line else line

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from data.config import FinanceBenchConfig, HoverConfig, SweBenchConfig, WorkloadConfig
 from data.schema import SegmentTable, Traces, call_record
 from data.task_text import TaskSpace, template_id
 from data.tokenizer import TokenCounter
@@ -62,12 +63,12 @@ class WorkflowBuilder:
 
     def call(self, agent: str, output_tokens: int, tool: Tool | None = None) -> None:
         step = len(self.calls)
-        if self.workload.output_scale != 1.0:  # after the draw: the random stream is the same at any scale
-            output_tokens = max(1, round(output_tokens * self.workload.output_scale))
+        if self.workload.config.output_scale != 1.0:  # after the draw: the random stream is the same at any scale
+            output_tokens = max(1, round(output_tokens * self.workload.config.output_scale))
         sys_id, task_id = f"sys:{self.workload.name}:{agent}", f"task:{self.workflow_id}"
-        self.segments.add(sys_id, self.workload.system_prompt_tokens[agent], "system")
+        self.segments.add(sys_id, self.workload.config.system_prompt_tokens[agent], "system")
         self.segments.add(task_id, self.task_tokens, "task", self.task)
-        prompt = [(sys_id, self.workload.system_prompt_tokens[agent]), (task_id, self.task_tokens)]
+        prompt = [(sys_id, self.workload.config.system_prompt_tokens[agent]), (task_id, self.task_tokens)]
         prompt += self.transcript
         out_id = f"out:{self.workflow_id}:{step}"
         self.segments.add(out_id, output_tokens, "output")
@@ -104,12 +105,17 @@ END = "END"
 
 
 class Workload:
-    """A workload draws workflows; subclasses define agents, prompts and the path."""
+    """A workload draws workflows; subclasses define agents, prompts and the path. Its knobs are
+    one dataclass (``Config``, data/config.py): keyword arguments override its defaults and are
+    checked there, so ``Hover(passage_tokens=0)`` fails as the config ``workload.passage_tokens=0`` does."""
 
     name: str
-    system_prompt_tokens: dict[str, int]
-    output_scale: float = 1.0  # multiplies every drawn output length (small replays on a CPU server)
+    Config: type[WorkloadConfig] = WorkloadConfig
     visible_latent: tuple[str, ...] = ()  # latent fields the task text reveals
+
+    def __init__(self, **settings):
+        self.config = self.Config(**settings)
+        self.text = TaskSpace(self.config.cue_noise, self.config.template_holdout)
 
     def agent_graph(self) -> dict:
         """The workflow's definition as KVFlow's Agent Step Graph reads it: {"kind": "pipeline",
@@ -179,7 +185,7 @@ class Workload:
             self.run(wf, rng)
             calls.extend(wf.finish())
         meta = {"format": "generated", "workload": self.name, "n_workflows": n_workflows, "seed": seed,
-                "template_holdout": bool(getattr(getattr(self, "text", None), "template_holdout", False)),
+                "template_holdout": bool(self.config.template_holdout),
                 "tokenizer": f"task text: {counter.name}; other segments: drawn counts",
                 "agent_graph": self.agent_graph()}
         return Traces(calls, segments, meta)
@@ -284,29 +290,20 @@ class Hover(Workload):
     """
 
     name = "hover"
+    Config = HoverConfig
     visible_latent = ("hops",)
 
-    def __init__(self, hop_probs=(0.25, 0.35, 0.25, 0.15), extra_hop_prob=0.15,
-                 passages_per_search=(4, 10), passage_tokens=350, search_seconds=1.0,
-                 system_prompt_tokens=None, cue_noise=0.1, template_holdout=True, output_scale=1.0):
-        if output_scale <= 0:
-            raise ValueError(f"output_scale must be positive; got {output_scale}")
-        self.output_scale = float(output_scale)
-        self.text = TaskSpace(cue_noise, template_holdout)
-        self.hop_probs = np.asarray(hop_probs, dtype=float) / np.sum(hop_probs)
-        self.extra_hop_prob = extra_hop_prob
-        self.passages_per_search = tuple(passages_per_search)
-        self.passage_tokens = passage_tokens
-        self.search_seconds = search_seconds
-        self.system_prompt_tokens = system_prompt_tokens or {
-            "retriever": 650, "summarizer": 1100, "query_generator": 800, "verifier": 1800}
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self.hop_probs = np.asarray(self.config.hop_probs, dtype=float)
+        self.hop_probs /= self.hop_probs.sum()  # sums to 1 up to rounding (checked): exactly, for rng.choice
 
     def task_and_latent(self, rng):
         hops = int(rng.choice(len(self.hop_probs), p=self.hop_probs)) + 1
         shown = self.text.cue(rng, hops, range(1, len(self.hop_probs) + 1))
         claim, template = hover_claim(rng, shown)
         task = self.text.compose(rng, _HOVER_FRAMES, claim, fill(rng, _HOVER_DISTRACTORS))
-        extra = int(rng.random() < self.extra_hop_prob * hops / 2)  # harder claims need a recheck more often
+        extra = int(rng.random() < self.config.extra_hop_prob * hops / 2)  # harder claims need a recheck more often
         return task, self.text.latent(template, shown, hops=hops, extra_hops=extra)
 
     def agent_graph(self):
@@ -315,9 +312,9 @@ class Hover(Workload):
                          "query_generator": ["retriever"], "verifier": ["query_generator", END]}}
 
     def _search(self, rng) -> Tool:
-        k = int(rng.integers(self.passages_per_search[0], self.passages_per_search[1] + 1))
-        return Tool(draw_tokens(rng, k * self.passage_tokens, 0.2, 200, 12_000),
-                    draw_seconds(rng, self.search_seconds))
+        k = int(rng.integers(self.config.passages_per_search[0], self.config.passages_per_search[1] + 1))
+        return Tool(draw_tokens(rng, k * self.config.passage_tokens, 0.2, 200, 12_000),
+                    draw_seconds(rng, self.config.search_seconds))
 
     def _hop(self, wf, rng, first: bool) -> None:
         if not first:
@@ -388,28 +385,18 @@ class SweBench(Workload):
     """
 
     name = "swebench"
+    Config = SweBenchConfig
     visible_latent = ("difficulty",)
 
-    def __init__(self, difficulty_probs=None, fail_prob=None, max_attempts=6, replan_after=3,
-                 test_seconds=20.0, system_prompt_tokens=None, cue_noise=0.1, template_holdout=True):
-        self.text = TaskSpace(cue_noise, template_holdout)
-        self.difficulty_probs = difficulty_probs or {"easy": 0.35, "medium": 0.4, "hard": 0.25}
-        self.fail_prob = fail_prob or {"easy": 0.15, "medium": 0.45, "hard": 0.7}
-        self.max_attempts = max_attempts
-        self.replan_after = replan_after
-        self.test_seconds = test_seconds
-        self.system_prompt_tokens = system_prompt_tokens or {
-            "planner": 2200, "coder": 2800, "tester": 1500, "reviewer": 1200}
-
     def task_and_latent(self, rng):
-        names = list(self.difficulty_probs)
-        p = np.asarray([self.difficulty_probs[d] for d in names], dtype=float)
+        names = list(self.config.difficulty_probs)
+        p = np.asarray([self.config.difficulty_probs[d] for d in names], dtype=float)
         difficulty = names[int(rng.choice(len(names), p=p / p.sum()))]
         shown = self.text.cue(rng, difficulty, names)
         issue, template = issue_text(rng, shown)
         task = self.text.compose(rng, _ISSUE_FRAMES, issue, fill(rng, _ISSUE_DISTRACTORS))
         failures = 0
-        while failures < self.max_attempts - 1 and rng.random() < self.fail_prob[difficulty]:
+        while failures < self.config.max_attempts - 1 and rng.random() < self.config.fail_prob[difficulty]:
             failures += 1
         return task, self.text.latent(template, shown, difficulty=difficulty, failed_test_runs=failures)
 
@@ -424,14 +411,14 @@ class SweBench(Workload):
                 Tool(draw_tokens(rng, 5000, 0.5, 500, 30_000), draw_seconds(rng, 2.0)))
         failures, in_a_row = wf.latent["failed_test_runs"], 0
         for attempt in range(failures + 1):
-            if in_a_row == self.replan_after:
+            if in_a_row == self.config.replan_after:
                 wf.call("planner", draw_tokens(rng, 500, 0.4, 80, 2000))
                 in_a_row = 0
             wf.call("coder", draw_tokens(rng, 900, 0.5, 60, 4000),
                     Tool(draw_tokens(rng, 250, 0.4, 20, 1500), draw_seconds(rng, 0.5)))
             log_median = 6000 if hard else 2500
             wf.call("tester", draw_tokens(rng, 180, 0.4, 20, 800),
-                    Tool(draw_tokens(rng, log_median, 0.6, 200, 24_000), draw_seconds(rng, self.test_seconds)))
+                    Tool(draw_tokens(rng, log_median, 0.6, 200, 24_000), draw_seconds(rng, self.config.test_seconds)))
             in_a_row += attempt < failures
         wf.call("reviewer", draw_tokens(rng, 350, 0.4, 40, 1500))
 
@@ -470,21 +457,13 @@ class FinanceBench(Workload):
     """
 
     name = "financebench"
+    Config = FinanceBenchConfig
     visible_latent = ("question_type",)
     _filing_median = {"lookup": 2000, "ratio": 3500, "trend": 6000}
 
-    def __init__(self, type_probs=None, retrieval_seconds=1.5, react_steps=None, system_prompt_tokens=None,
-                 cue_noise=0.1, template_holdout=True):
-        self.text = TaskSpace(cue_noise, template_holdout)
-        self.type_probs = type_probs or {"lookup": 0.4, "ratio": 0.35, "trend": 0.25}
-        self.retrieval_seconds = retrieval_seconds
-        self.react_steps = react_steps or {"retriever": 3, "analyst": 1, "calculator": 2, "writer": 1}
-        self.system_prompt_tokens = system_prompt_tokens or {
-            "retriever": 700, "analyst": 1600, "calculator": 900, "writer": 1000}
-
     def task_and_latent(self, rng):
-        names = list(self.type_probs)
-        p = np.asarray([self.type_probs[t] for t in names], dtype=float)
+        names = list(self.config.type_probs)
+        p = np.asarray([self.config.type_probs[t] for t in names], dtype=float)
         kind = names[int(rng.choice(len(names), p=p / p.sum()))]
         shown = self.text.cue(rng, kind, names)
         form = int(rng.integers(len(_QUESTIONS[shown])))
@@ -497,20 +476,20 @@ class FinanceBench(Workload):
 
     def agent_graph(self):
         return {"kind": "pipeline",
-                "steps": [a for a in ("retriever", "analyst", "calculator", "writer") for _ in range(self.react_steps[a])]}
+                "steps": [a for a in ("retriever", "analyst", "calculator", "writer") for _ in range(self.config.react_steps[a])]}
 
     def run(self, wf, rng):
         kind = wf.latent["question_type"]
-        for _ in range(self.react_steps["retriever"]):
+        for _ in range(self.config.react_steps["retriever"]):
             wf.call("retriever", draw_tokens(rng, 120, 0.4, 20, 500),
                     Tool(draw_tokens(rng, self._filing_median[kind], 0.4, 500, 30_000),
-                         draw_seconds(rng, self.retrieval_seconds)))
-        for _ in range(self.react_steps["analyst"]):
+                         draw_seconds(rng, self.config.retrieval_seconds)))
+        for _ in range(self.config.react_steps["analyst"]):
             wf.call("analyst", draw_tokens(rng, 450 if kind == "trend" else 300, 0.4, 50, 2000))
-        for _ in range(self.react_steps["calculator"]):
+        for _ in range(self.config.react_steps["calculator"]):
             wf.call("calculator", draw_tokens(rng, 150, 0.4, 20, 800),
                     Tool(draw_tokens(rng, 120, 0.5, 10, 800), draw_seconds(rng, 0.3)))
-        for _ in range(self.react_steps["writer"]):
+        for _ in range(self.config.react_steps["writer"]):
             wf.call("writer", draw_tokens(rng, 250, 0.4, 40, 1200))
 
 

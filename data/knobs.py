@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from data.errors import ConfigError
 
 Check = Callable[[Any], Optional[str]]  # None when the value is allowed, else the reason
+MISSING = "???"  # omegaconf.MISSING: the default of a mandatory knob (knob(MISSING, ...))
 
 
 def knob(default: Any = dataclasses.MISSING, help: str = "", *checks: Check, factory: Callable | None = None):
@@ -90,6 +91,33 @@ def each(*checks: Check) -> Check:
     return check
 
 
+def each_value(*checks: Check) -> Check:
+    """Every value of a mapping passes `checks`; the first failure names its key (``name.key=v``)."""
+    def check(mapping):
+        for key, v in mapping.items():
+            for c in checks:
+                reason = c(v)
+                if reason:
+                    return f".{key}={shown(v)}: {reason}"
+        return None
+    return check
+
+
+def keys(names: Iterable[str]) -> Check:
+    """A mapping names exactly these keys (in any order)."""
+    names = tuple(names)
+
+    def check(mapping):
+        return None if set(mapping) == set(names) else f"should name exactly {', '.join(names)}"
+    return check
+
+
+def distribution(v) -> Optional[str]:
+    """Probabilities (a list, or a mapping's values) that sum to 1."""
+    total = sum(v.values() if isinstance(v, Mapping) else v)
+    return None if math.isclose(total, 1.0, abs_tol=1e-6) else f"should sum to 1 (sums to {total:g})"
+
+
 def nonempty(v) -> Optional[str]:
     return None if len(v) else "should not be empty"
 
@@ -101,22 +129,37 @@ def unique(v) -> Optional[str]:
 # ------------------------------------------------------------------ checking an instance
 
 def check(obj) -> None:
-    """Check every field of a knobs dataclass: its type (None only where Optional), finiteness of
-    floats, then its checks in order. Raises ConfigError ``name=value: reason``."""
+    """Check every field of a knobs dataclass in order: its type (None only where Optional),
+    finiteness of floats, then its checks; a mapping given for a field typed by a knobs class is
+    built into it (``build``). Raises ConfigError ``name=value: reason``."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        reason = _type_reason(value, hints.get(f.name, Any))
+        if value == MISSING:  # a mandatory value not given yet: build() and Hydra report it by name
+            continue
+        hint = hints.get(f.name, Any)
+        nested = _knobs_class(hint)
+        if nested is not None and isinstance(value, Mapping):  # a nested group, in field order
+            value = build(value, nested, f.name)
+            object.__setattr__(obj, f.name, value)
+        reason = _type_reason(value, hint)
         if reason is None and value is not None:
             for c in f.metadata.get("checks", ()):
                 reason = c(value)
                 if reason:
                     break
         if reason:
-            if reason.startswith("["):  # each(): the item's index and value
+            if reason.startswith(("[", ".")):  # each() / each_value(): the item's index or key, and value
                 index, _, rest = reason.partition("=")
                 raise ConfigError(f"{f.name}{index}={rest}")
             raise ConfigError(f"{f.name}={shown(value)}: {reason}")
+
+
+def _knobs_class(hint):
+    """The dataclass a field is typed by (also inside Optional[...]), else None."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] \
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
 
 
 def _type_reason(value, hint) -> Optional[str]:
@@ -145,6 +188,16 @@ def _type_reason(value, hint) -> Optional[str]:
     return None
 
 
+class RuleError(ConfigError):
+    """A rule across fields, raised by a knobs class's ``__post_init__`` (see :func:`broken_rule`):
+    :func:`build` shows it after the group's key, ``split: val=0.95, test=0.1: reason``."""
+
+
+def broken_rule(obj, names: Iterable[str], reason: str) -> RuleError:
+    """The error of a rule across fields: ``a=1, b=2: reason``, the named fields with their values."""
+    return RuleError(f"{', '.join(f'{n}={shown(getattr(obj, n))}' for n in names)}: {reason}")
+
+
 # ------------------------------------------------------------------ Hydra
 
 def register(group: Optional[str], cls, name: str = "schema") -> None:
@@ -163,9 +216,13 @@ def build(node, cls, prefix: str = ""):
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{prefix or 'config'}: {str(e).splitlines()[0]}") from None
+        values = (OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+                  if isinstance(node, DictConfig) else dict(node))
+    except OmegaConfBaseException as e:  # a missing value (???) or a broken interpolation
+        key = str(getattr(e, "full_key", None) or "")  # from the root of the node's config
+        if node._get_parent() is None:
+            key = ".".join(k for k in (prefix, key) if k)
+        raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
@@ -173,17 +230,11 @@ def build(node, cls, prefix: str = ""):
         raise ConfigError(f"{where}: not a setting of {prefix or 'this command'} "
                           f"(known: {', '.join(sorted(names))})")
     try:
-        return cls(**{k: _nested(cls, k, v) for k, v in values.items()})
+        return cls(**values)  # check() builds nested knobs classes from their mappings
+    except RuleError as e:
+        raise ConfigError(f"{prefix}: {e}" if prefix else str(e)) from None
     except ConfigError as e:
         raise ConfigError(with_prefix(prefix, str(e), names)) from None
-
-
-def _nested(cls, name: str, value):
-    """A field whose type is itself a knobs dataclass is built from its mapping."""
-    hint = typing.get_type_hints(cls).get(name)
-    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-        return build(value, hint, name)
-    return value
 
 
 def with_prefix(prefix: str, message: str, names: Iterable[str] = ()) -> str:
@@ -209,3 +260,17 @@ def shown(value) -> str:
     if isinstance(value, str) and (value == "" or value.strip() != value):
         return repr(value)
     return str(value)
+
+
+def knob_table(cls, skip: Iterable[str] = ()) -> str:
+    """The knobs of `cls` as a markdown table (name, default, help): what the configuration docs show,
+    so that a test can hold them to the dataclass. Hydra keys (``_target_``) and `skip` are left out."""
+    rows = ["| knob | default | what it sets |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_") or f.name in set(skip):
+            continue
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = "(group)" if dataclasses.is_dataclass(value) else "required" if value == MISSING else \
+            f"`{shown(value)}`"
+        rows.append(f"| `{f.name}` | {default} | {f.metadata.get('help', '')} |")
+    return "\n".join(rows)

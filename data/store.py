@@ -119,7 +119,13 @@ def _table(rows: list[dict], features) -> Dataset:
     return Dataset.from_dict({name: [r[name] for r in rows] for name in features}, features=features)
 
 
-def build(traces: Traces, val: float = 0.1, test: float = 0.1, seed: int = 0) -> TraceDataset:
+def build(traces: Traces, **split) -> TraceDataset:
+    """Split the traces by workflow (`split`: val, test, seed; data.config.SplitConfig, their
+    defaults and ranges) into a dataset."""
+    from data.config import SplitConfig
+
+    knobs = SplitConfig(**split)
+    val, test, seed = knobs.val, knobs.test, knobs.seed
     if not traces.calls:
         raise ValueError("no calls to store (the source is empty)")
     workflow_ids = list(dict.fromkeys(c["workflow_id"] for c in traces.calls))

@@ -40,9 +40,8 @@ def noisy_cue(rng: np.random.Generator, value, values: Sequence, cue_noise: floa
 class TaskSpace:
     """What each generator shares: the holdout and cue-noise settings and the draw of a text."""
 
-    def __init__(self, cue_noise: float = 0.0, template_holdout: bool = True, max_distractors: int = 2):
-        if not 0.0 <= cue_noise <= 1.0:
-            raise ValueError(f"workload.cue_noise must be in [0, 1]; got {cue_noise}")
+    def __init__(self, cue_noise: float, template_holdout: bool, max_distractors: int = 2):
+        # cue_noise and template_holdout: data.config.WorkloadConfig, their home and range
         self.cue_noise, self.template_holdout, self.max_distractors = cue_noise, template_holdout, max_distractors
 
     def cue(self, rng, value, values):

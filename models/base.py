@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from models.text import TextFeatures, TextSpec
+from models.text import TEXT_CACHE_SIZE, TextFeatures, TextSpec
 
 UNK = "<unk>"
 UNK_ID = 0
@@ -98,6 +98,13 @@ def check_agent_names(agent_names: Sequence[str]) -> list[str]:
     return names
 
 
+def default_max_path() -> int:
+    """The path length of a predictor built outside training: the datamodule's knob."""
+    from models.config import DataModuleConfig
+
+    return DataModuleConfig.max_path
+
+
 class Predictor(nn.Module, ABC):
     """Base of all four families: vocabulary, prefix encoding, text features, predict().
 
@@ -108,13 +115,13 @@ class Predictor(nn.Module, ABC):
     family: ClassVar[str]
 
     def __init__(self, agent_names: Sequence[str], horizon: int, text: dict | None = None,
-                 max_path: int = 32, text_cache_size: int = 4096):
+                 max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE):
         super().__init__()
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
         self.agent_names = check_agent_names(agent_names)
         self.horizon = int(horizon)
-        self.max_path = int(max_path)
+        self.max_path = int(max_path if max_path is not None else default_max_path())
         self.text_spec = TextSpec.from_dict(text)
         self.text_features = TextFeatures(self.text_spec, text_cache_size)
         self._agent_index = {name: i for i, name in enumerate(self.agent_names)}

@@ -82,13 +82,21 @@ def read_checkpoint(path: str | Path) -> dict:
     return payload
 
 
+def with_old_defaults(family: str, init: dict) -> dict:
+    """Constructor arguments of a checkpoint written before a knob existed, with the value those
+    runs had: graph predictors without `identity` embedded agents by vocabulary id only."""
+    if family in ("graphsage", "rgcn") and "identity" not in init:
+        return {**init, "identity": False}
+    return init
+
+
 def load_predictor(path: str | Path, agents: Iterable[str] | None = None, device: str = "cpu",
                    max_unknown: float = 0.0) -> Predictor:
     """Rebuild a predictor in eval mode; with ``agents`` (those of the data it will see), check
     that its vocabulary covers them (see check_vocabulary)."""
     payload = read_checkpoint(path)
     try:
-        predictor = FAMILIES[payload["family"]](**payload["init"])
+        predictor = FAMILIES[payload["family"]](**with_old_defaults(payload["family"], payload["init"]))
         predictor.load_state_dict(payload["state_dict"])
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{path}: checkpoint of family {payload['family']!r} does not rebuild: {e}") from e

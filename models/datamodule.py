@@ -88,14 +88,19 @@ def text_source_of(train: Sequence[Workflow], requested: str, encoder) -> TextSp
 
 
 class TraceDataModule(pl.LightningDataModule):
-    def __init__(self, data: DictConfig | None = None, horizon: int = 3, max_path: int = 32, batch_size: int = 256,
-                 text_source: str = "auto", text_encoder=None, seed: int = 0, dataset=None):
+    def __init__(self, horizon: int, seed: int, data: DictConfig | None = None, text_encoder=None, dataset=None,
+                 **knobs):
+        """`horizon`, `seed`: train.py's root knobs; `knobs`: max_path, batch_size, text_source
+        (models.config.DataModuleConfig, their defaults and ranges)."""
+        from models.config import DataModuleConfig
+
         super().__init__()
         if data is None and dataset is None:
             raise ValueError("TraceDataModule needs a data config or a loaded dataset")
+        config = DataModuleConfig(horizon=horizon, seed=seed, **knobs)
         self.data_cfg, self.dataset = data, dataset
-        self.horizon, self.max_path, self.batch_size = int(horizon), int(max_path), int(batch_size)
-        self.text_source, self.text_encoder, self.seed = text_source, text_encoder, seed
+        self.horizon, self.max_path, self.batch_size = config.horizon, config.max_path, config.batch_size
+        self.text_source, self.text_encoder, self.seed = config.text_source, text_encoder, config.seed
         self.corpus: Corpus | None = None
         self.splits: dict[str, TensorDataset] = {}
 

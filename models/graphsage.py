@@ -48,23 +48,24 @@ from torch import Tensor, nn
 from torch_geometric.nn import MLP, RGCNConv, SAGEConv
 
 from models.base import PrefixBatch, Predictor
+from models.config import GraphSAGEConfig, RGCNConfig, hyperparameters
 from models.graph import RELATIONS, CallGraph
-from models.text import TextFeatures, TextSpec, agent_identity_text
+from models.text import TEXT_CACHE_SIZE, TextFeatures, TextSpec, agent_identity_text
 
 
 class GraphPathPredictor(Predictor):
     """h_cur from a GNN over the call graph, h_path by attention, h_txt by projection."""
 
-    def __init__(self, agent_names, horizon: int, graph: dict, text: dict | None = None, dim: int = 128,
-                 hidden: int = 256, layers: int = 2, max_steps: int = 64, dropout: float = 0.1,
-                 use_cur: bool = True, use_path: bool = True, use_text: bool = True, max_path: int = 32,
-                 text_cache_size: int = 4096, identity: bool = False, agent_texts: list[str] | None = None,
-                 identity_encoder: dict | None = None, identity_dropout: float = 0.15):
+    Config = GraphSAGEConfig  # the hyper-parameters (dim, hidden, layers, ..., identity): their defaults and ranges
+
+    def __init__(self, agent_names, horizon: int, graph: dict, text: dict | None = None, max_path: int | None = None,
+                 text_cache_size: int = TEXT_CACHE_SIZE, agent_texts: list[str] | None = None,
+                 identity_encoder: dict | None = None, **knobs):
         super().__init__(agent_names, horizon, text, max_path, text_cache_size)
-        self.hparams = dict(dim=dim, hidden=hidden, layers=layers, max_steps=max_steps, dropout=dropout,
-                            use_cur=use_cur, use_path=use_path, use_text=use_text)
-        if identity:  # absent from checkpoints written before agents had identities: off
-            self.hparams.update(identity=True, identity_dropout=float(identity_dropout))
+        self.config = self.Config(**knobs)
+        self.hparams = hyperparameters(self.config)
+        dim, hidden, layers, identity = self.config.dim, self.config.hidden, self.config.layers, self.config.identity
+        max_steps, dropout, use_text = self.config.max_steps, self.config.dropout, self.config.use_text
         self.graph = CallGraph.from_dict(graph)
         if self.graph.n_nodes != self.n_classes:
             raise ValueError(f"call graph has {self.graph.n_nodes} nodes, the vocabulary needs {self.n_classes}")
@@ -95,14 +96,14 @@ class GraphPathPredictor(Predictor):
             self._unseen_vectors = torch.zeros(0, spec.dim)
 
     @classmethod
-    def from_corpus(cls, corpus, identity: bool = False, **hparams) -> "GraphPathPredictor":
+    def from_corpus(cls, corpus, **knobs) -> "GraphPathPredictor":
+        identity = cls.Config(**knobs).identity
         if identity and corpus.agent_vectors is None:
             raise ValueError("identity=True embeds agents by name and system prompt with the text encoder; "
                              "the corpus has none (set model/text_encoder)")
         predictor = cls(corpus.agent_names, corpus.horizon, graph=corpus.graph.to_dict(), text=corpus.text.to_dict(),
-                        max_path=corpus.max_path, identity=identity,
-                        agent_texts=corpus.agent_texts if identity else None,
-                        identity_encoder=corpus.identity_encoder if identity else None, **hparams)
+                        max_path=corpus.max_path, agent_texts=corpus.agent_texts if identity else None,
+                        identity_encoder=corpus.identity_encoder if identity else None, **knobs)
         if identity:
             with torch.no_grad():
                 vectors = torch.as_tensor(corpus.agent_vectors, dtype=torch.float32)
@@ -285,16 +286,15 @@ class RGCNPredictor(GraphPathPredictor):
     models.graph.RELATIONS (next, previous, loop_back, co_occurs)."""
 
     family = "rgcn"
+    Config = RGCNConfig
 
-    def __init__(self, *args, num_bases: int | None = None, **kwargs):
-        self._num_bases = num_bases  # read by make_conv during the base constructor
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.hparams["num_bases"] = num_bases
         self.register_buffer("relation_index", self.graph.relation_index, persistent=False)
         self.register_buffer("relation_type", self.graph.relation_type, persistent=False)
 
     def make_conv(self, dim: int) -> nn.Module:
-        return RGCNConv(dim, dim, num_relations=len(RELATIONS), num_bases=self._num_bases, aggr="mean")
+        return RGCNConv(dim, dim, num_relations=len(RELATIONS), num_bases=self.config.num_bases, aggr="mean")
 
     def conv(self, conv: nn.Module, x: Tensor) -> Tensor:
         return conv(x, self.relation_index, self.relation_type)

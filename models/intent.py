@@ -25,20 +25,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.base import PrefixBatch, Predictor
+from models.config import IntentResidualConfig, hyperparameters
 from models.markov import MarkovPredictor
+from models.text import TEXT_CACHE_SIZE
 
 
 class IntentResidualPredictor(Predictor):
     family = "intent_residual"
 
-    def __init__(self, agent_names, horizon: int, prior: dict, text: dict | None = None, dim: int = 64,
-                 hidden: int = 128, decay: float = 0.5, alpha: float = 1.0, use_text: bool = True,
-                 max_path: int = 32, text_cache_size: int = 4096):
+    def __init__(self, agent_names, horizon: int, prior: dict, text: dict | None = None,
+                 max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE, **knobs):
+        """`prior`: the fitted Markov prior's init_args; `knobs`: IntentResidualConfig's (but prior)."""
         super().__init__(agent_names, horizon, text, max_path, text_cache_size)
         self.prior = MarkovPredictor(**prior)
         if self.prior.agent_names != self.agent_names or self.prior.horizon != self.horizon:
             raise ValueError("the Markov prior's vocabulary or horizon differs from the residual's")
-        self.hparams = dict(dim=dim, hidden=hidden, decay=decay, alpha=alpha, use_text=use_text)
+        self.config = IntentResidualConfig(prior=self.prior.config, **knobs)
+        self.hparams = {k: v for k, v in hyperparameters(self.config).items() if k != "prior"}
+        dim, hidden, use_text = self.config.dim, self.config.hidden, self.config.use_text
         self.agent_embedding = nn.Embedding(len(self.agent_names), dim)
         self.text_proj = nn.Linear(self.text_spec.dim, dim) if use_text and self.text_spec.dim else None
         self.residual = nn.Sequential(nn.Linear(2 * dim, hidden), nn.GELU(),
@@ -47,10 +51,12 @@ class IntentResidualPredictor(Predictor):
         nn.init.zeros_(self.residual[-1].bias)
 
     @classmethod
-    def from_corpus(cls, corpus, prior: dict | None = None, **hparams) -> "IntentResidualPredictor":
-        markov = MarkovPredictor.from_corpus(corpus, **(prior or {}))
+    def from_corpus(cls, corpus, **knobs) -> "IntentResidualPredictor":
+        config = IntentResidualConfig(**knobs)
+        markov = MarkovPredictor.from_corpus(corpus, **hyperparameters(config.prior))
+        own = {k: v for k, v in hyperparameters(config).items() if k != "prior"}
         return cls(corpus.agent_names, corpus.horizon, prior=markov.init_args(), text=corpus.text.to_dict(),
-                   max_path=corpus.max_path, **hparams)
+                   max_path=corpus.max_path, **own)
 
     def init_args(self) -> dict:
         return {"agent_names": self.agent_names, "horizon": self.horizon, "prior": self.prior.init_args(),

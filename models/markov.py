@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 
 from models.base import PrefixBatch, Predictor
+from models.config import MarkovConfig, hyperparameters
+from models.text import TEXT_CACHE_SIZE
 
 BOS = -1
 
@@ -52,15 +54,14 @@ def count_contexts(sequences: Sequence[Sequence[int]], order: int, end: int) -> 
 class MarkovPredictor(Predictor):
     family = "markov"
 
-    def __init__(self, agent_names, horizon: int, order: int = 2, alpha: float = 0.1, backoff: float = 1.0,
-                 contexts: list[list[int]] | None = None, context_counts: Tensor | None = None,
-                 max_path: int = 32, text_cache_size: int = 4096):
+    def __init__(self, agent_names, horizon: int, contexts: list[list[int]] | None = None,
+                 context_counts: Tensor | None = None, max_path: int | None = None,
+                 text_cache_size: int = TEXT_CACHE_SIZE, **knobs):  # order, alpha, backoff: MarkovConfig
         super().__init__(agent_names, horizon, None, max_path, text_cache_size)  # no text signal
-        if order < 0 or order > max_path:
-            raise ValueError(f"order must be in [0, max_path={max_path}], got {order}")
-        if alpha <= 0 or backoff <= 0:
-            raise ValueError("alpha and backoff must be positive (they keep every probability non-zero)")
-        self.order, self.alpha, self.backoff = int(order), float(alpha), float(backoff)
+        self.config = MarkovConfig(**knobs)
+        if self.config.order > self.max_path:
+            raise ValueError(f"order must be in [0, max_path={self.max_path}], got {self.config.order}")
+        self.order, self.alpha, self.backoff = self.config.order, float(self.config.alpha), float(self.config.backoff)
         self.contexts = [tuple(c) for c in (contexts or [[]])]
         counts = context_counts if context_counts is not None else torch.zeros(1, self.n_classes)
         if counts.shape != (len(self.contexts), self.n_classes) or () not in self.contexts:
@@ -72,17 +73,19 @@ class MarkovPredictor(Predictor):
         self.register_buffer("table", self.k_step_table(emit, self.transition_matrix(emit)), persistent=False)
 
     @classmethod
-    def from_sequences(cls, agent_names, horizon: int, sequences: Sequence[Sequence[int]], order: int = 2,
-                       **kwargs) -> "MarkovPredictor":
+    def from_sequences(cls, agent_names, horizon: int, sequences: Sequence[Sequence[int]],
+                       max_path: int | None = None, **knobs) -> "MarkovPredictor":
+        """Fitted from counts of `sequences` (agent ids); `knobs`: MarkovConfig's."""
+        config = MarkovConfig(**knobs)
         end = len(agent_names)
-        counts = count_contexts(sequences, order, end)
+        counts = count_contexts(sequences, config.order, end)
         contexts = sorted({c for c, _ in counts} | {()}, key=lambda c: (len(c), c))
         index = {c: i for i, c in enumerate(contexts)}
         table = torch.zeros(len(contexts), end + 1)
         for (c, a), n in counts.items():
             table[index[c], a] += n
-        return cls(agent_names, horizon, order=order, contexts=[list(c) for c in contexts],
-                   context_counts=table, **kwargs)
+        return cls(agent_names, horizon, contexts=[list(c) for c in contexts], context_counts=table,
+                   max_path=max_path, **hyperparameters(config))
 
     @classmethod
     def from_corpus(cls, corpus, **kwargs) -> "MarkovPredictor":

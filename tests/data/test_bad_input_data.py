@@ -44,6 +44,42 @@ def test_generate_bad_settings(tmp_path, capsys, override, message):
     assert listing(tmp_path) == []
 
 
+# the workloads' knobs (data/config.py): each out of its range is one line naming it, exit status 2
+WORKLOAD_CASES = [
+    (["n_workflows=2"], "n_workflows=2: too few to split: train, val and test need 3 (split.val=0.1, split.test=0.1)"),
+    (["workload.extra_hop_prob=5"], "workload.extra_hop_prob=5.0: Input should be less than or equal to 1"),
+    (["workload.extra_hop_prob=nan"], "workload.extra_hop_prob=nan: Input should be a finite number"),
+    (["workload.hop_probs=[0.5,0.3,0.1]"], "workload.hop_probs=[0.5,0.3,0.1]: should sum to 1 (sums to 0.9)"),
+    (["workload.hop_probs=[]"], "workload.hop_probs=[]: should not be empty"),
+    (["workload.passage_tokens=-5"], "workload.passage_tokens=-5: Input should be greater than or equal to 1"),
+    (["workload.passage_tokens=0"], "workload.passage_tokens=0: Input should be greater than or equal to 1"),
+    (["workload.search_seconds=-1"], "workload.search_seconds=-1.0: Input should be greater than or equal to 0"),
+    (["workload.passages_per_search=[10,4]"], "workload.passages_per_search=[10,4]: should be LOW HIGH with LOW <= HIGH"),
+    (["workload.cue_noise=1.5"], "workload.cue_noise=1.5: Input should be less than or equal to 1"),
+    (["workload.output_scale=0"], "workload.output_scale=0.0: Input should be greater than 0"),
+    (["workload.system_prompt_tokens.verifier=0"],
+     "workload.system_prompt_tokens.verifier=0: Input should be greater than or equal to 1"),
+    (["workload=swebench", "workload.max_attempts=0"], "workload.max_attempts=0: Input should be greater than or equal to 1"),
+    (["workload=swebench", "workload.fail_prob.hard=1.2"], "workload.fail_prob.hard=1.2: Input should be less than or "
+                                                           "equal to 1"),
+    (["workload=swebench", "workload.difficulty_probs.easy=0.5"],
+     "workload.difficulty_probs={easy:0.5,medium:0.4,hard:0.25}: should sum to 1 (sums to 1.15)"),
+    (["workload=swebench", "+workload.difficulty_probs.expert=0"],
+     "workload.difficulty_probs={easy:0.35,medium:0.4,hard:0.25,expert:0.0}: should name exactly easy, medium, hard"),
+    (["workload=financebench", "workload.react_steps.writer=0"],
+     "workload.react_steps.writer=0: Input should be greater than or equal to 1"),
+    (["workload.passage_tokens=many"], "workload.passage_tokens=many: Input should be a valid integer"),
+    (["workload.colour=red"], "Could not override 'workload.colour': Key 'colour' not in 'HoverConfig'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", WORKLOAD_CASES, ids=[" ".join(o) for o, _ in WORKLOAD_CASES])
+def test_generate_bad_workload_knobs(tmp_path, capsys, overrides, message):
+    assert generate.main([f"out={tmp_path / 'out'}", *overrides]) == 2
+    assert one_line(capsys) == f"error: {message}"
+    assert listing(tmp_path) == []
+
+
 def test_generate_needs_out(tmp_path, capsys):
     assert generate.main([]) == 2 and "out" in one_line(capsys)
 

@@ -54,3 +54,58 @@ def test_a_bad_value_is_one_line_naming_its_full_key(values, message):
     with pytest.raises(ConfigError) as e:
         build(OmegaConf.create(values), Example, "ex")
     assert str(e.value) == message
+
+
+# ------------------------------------------------------------------ mappings, rules across fields, mandatory values
+from typing import Dict  # noqa: E402
+
+from data.knobs import MISSING, broken_rule, distribution, each_value, keys, knob_table  # noqa: E402
+
+
+@dataclass
+class Shares:
+    probs: Dict[str, float] = knob(None, "P(kind)", keys(("a", "b")), each_value(probability), distribution,
+                                   factory=lambda: {"a": 0.5, "b": 0.5})
+    low: int = knob(1, "low", at_least(0))
+    high: int = knob(2, "high", at_least(0))
+    name: str = knob(MISSING, "mandatory")
+
+    def __post_init__(self):
+        check(self)
+        if self.low >= self.high:
+            raise broken_rule(self, ("low", "high"), "low should be below high")
+
+
+@dataclass
+class Outer:
+    seed: int = knob(0, "seed", at_least(0))
+    shares: Shares = knob(None, "nested", factory=lambda: Shares(name="x"))
+
+    def __post_init__(self):
+        check(self)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"shares": {"name": "x", "probs": {"a": 1.5, "b": 0.5}}}, "out.shares.probs.a=1.5: Input should be less than or "
+                                                               "equal to 1"),
+    ({"shares": {"name": "x", "probs": {"a": 0.2, "b": 0.5}}}, "out.shares.probs={a:0.2,b:0.5}: should sum to 1 "
+                                                               "(sums to 0.7)"),
+    ({"shares": {"name": "x", "probs": {"a": 1.0}}}, "out.shares.probs={a:1.0}: should name exactly a, b"),
+    ({"shares": {"name": "x", "low": 3}}, "out.shares: low=3, high=2: low should be below high"),
+    ({"seed": -1, "shares": {"name": "x", "low": 3}}, "out.seed=-1: Input should be greater than or equal to 0"),
+])
+def test_mappings_rules_and_nested_groups_in_field_order(values, message):
+    with pytest.raises(ConfigError) as e:
+        build(OmegaConf.create(values), Outer, "out")
+    assert str(e.value) == message
+
+
+def test_a_mandatory_value_is_named_when_built():
+    with pytest.raises(ConfigError) as e:
+        build(OmegaConf.create({"shares": {"name": MISSING}}), Outer, "out")
+    assert str(e.value).startswith("out.shares.name: Missing mandatory value")
+
+
+def test_knob_table_lists_default_and_help():
+    assert knob_table(Shares).splitlines()[2:] == ["| `probs` | `{a:0.5,b:0.5}` | P(kind) |", "| `low` | `1` | low |",
+                                                   "| `high` | `2` | high |", "| `name` | required | mandatory |"]

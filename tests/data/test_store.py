@@ -67,25 +67,28 @@ def test_load_rejects_non_dataset_and_other_schema(tmp_path, hover_small):
 
 
 def data_config(*overrides):
+    """The `data` node as train.py composes it."""
+    import models.config  # noqa: F401  (registers train.yaml's schemas)
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="generate", overrides=["out=unused", *overrides]).data
+        return compose(config_name="train", overrides=list(overrides)).data
 
 
 def test_data_group_builds_once_and_caches(tmp_path):
-    cfg = data_config("+data=swebench", "data.source.n_workflows=12", f"data.cache_dir={tmp_path}")
+    cfg = data_config("data=swebench", "data.source.n_workflows=12", f"data.cache_dir={tmp_path}")
     ds = store.resolve(cfg)
     assert ds.n_workflows == 12 and ds.meta["workload"] == "swebench"
     (cached,) = tmp_path.iterdir()
     stamp = (cached / "meta.json").stat().st_mtime_ns
     again = store.resolve(cfg)
     assert again.path == cached and (cached / "meta.json").stat().st_mtime_ns == stamp
-    other = store.resolve(data_config("+data=swebench", "data.source.n_workflows=13", f"data.cache_dir={tmp_path}"))
+    other = store.resolve(data_config("data=swebench", "data.source.n_workflows=13", f"data.cache_dir={tmp_path}"))
     assert other.path != cached and other.n_workflows == 13
 
 
 def test_data_path_selects_a_written_dataset(tmp_path, hover_small):
     out = store.save(store.build(hover_small), tmp_path / "mine")
-    ds = store.resolve(data_config("+data=hover", f"data.path={out}", f"data.cache_dir={tmp_path}/cache"))
+    ds = store.resolve(data_config("data=hover", f"data.path={out}", f"data.cache_dir={tmp_path}/cache"))
     assert ds.path == out and not (tmp_path / "cache").exists()
 
 

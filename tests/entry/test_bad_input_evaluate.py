@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 import evaluate as evaluate_py
 from data.cli import compose_config
-from data.config_checks import evaluate_schema, validate
+from data.config import data_config
+from serving_integration.experiments.evaluate_checks import evaluate_schema, validate
 from data.errors import run_reported
 from tests.conftest import REPO, assert_bad_setting, refused_over_its_dataset
 
@@ -64,6 +65,12 @@ CASES = [
 ]
 
 
+def checked(cfg):
+    """evaluate.py's checks: the serving groups, then the data node."""
+    validate(cfg, evaluate_schema())
+    data_config(cfg.data)
+
+
 @pytest.fixture(scope="module")
 def base():
     cfg = compose_config("evaluate", [])
@@ -73,7 +80,7 @@ def base():
 
 @pytest.mark.parametrize("key, value, message", CASES, ids=[f"{k}={v}" for k, v, _ in CASES])
 def test_bad_setting_is_one_line_naming_it(base, key, value, message):
-    assert_bad_setting(base, evaluate_schema(), key, value, message)
+    assert_bad_setting(base, checked, key, value, message)
 
 
 def test_known_names_come_from_the_code(base):

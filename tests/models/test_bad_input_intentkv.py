@@ -12,7 +12,7 @@ from models.intentkv import train as ikv
     ("lr=0", "lr=0.0: Input should be greater than 0"),
     ("n_test=0", "n_test=0: Input should be greater than or equal to 1"),
     ("model_heads=3", "model_hidden=64, model_heads=3: model_hidden should be a multiple of model_heads"),
-    ("out=", "out: Incompatible value 'None' for field of type 'str'"),
+    ("out=", "out='': should not be empty"),
 ])
 def test_bad_settings(tmp_path, capsys, monkeypatch, arg, message):
     monkeypatch.setattr(ikv, "run", lambda cfg: pytest.fail("trained with a bad setting"))

@@ -3,7 +3,7 @@
 import pytest
 
 from data.generators import SweBench
-from models.intentkv.replay import LAYOUTS, prune_workflows
+from serving_integration.experiments.intentkv_replay import LAYOUTS, prune_workflows
 from serving_integration.cache.workload import workflows_from_rows
 
 

@@ -28,7 +28,7 @@ K = 3
 @pytest.fixture(scope="module")
 def datamodule() -> TraceDataModule:
     ds = store.build(Hover().generate(40, seed=0), val=0.2, test=0.2, seed=0)
-    dm = TraceDataModule(dataset=ds, horizon=K, max_path=8, batch_size=64, text_encoder=HashingTextEncoder(64))
+    dm = TraceDataModule(dataset=ds, horizon=K, seed=0, max_path=8, batch_size=64, text_encoder=HashingTextEncoder(dim=64))
     dm.setup()
     return dm
 
@@ -36,11 +36,11 @@ def datamodule() -> TraceDataModule:
 def build(family: str, corpus):
     torch.manual_seed(0)
     if family == "markov":
-        return MarkovPredictor.from_corpus(corpus).eval()
+        return MarkovPredictor.from_corpus(corpus, order=2).eval()
     if family == "intent_residual":
         return IntentResidualPredictor.from_corpus(corpus, dim=16, hidden=32).eval()
     cls = GraphSAGEPredictor if family == "graphsage" else RGCNPredictor
-    return cls.from_corpus(corpus, dim=16, hidden=32).eval()
+    return cls.from_corpus(corpus, dim=16, hidden=32, identity=False).eval()
 
 
 FAMILIES = ["markov", "graphsage", "rgcn", "intent_residual"]
@@ -148,7 +148,7 @@ def test_markov_unseen_context_backs_off_to_its_suffix():
 # ------------------------------------------------------------------ intent residual
 def test_intent_residual_equals_markov_prior_at_init(datamodule):
     intent = attach_encoder(build("intent_residual", datamodule.corpus), datamodule)
-    prior = MarkovPredictor.from_corpus(datamodule.corpus)
+    prior = MarkovPredictor.from_corpus(datamodule.corpus, order=2)
     torch.testing.assert_close(intent.predict(prefixes()), prior.predict(prefixes()), atol=1e-6, rtol=1e-5)
 
 
@@ -316,13 +316,13 @@ def test_hidden_vectors_in_the_trace_become_the_text_signal():
     traces = Hover().generate(20, seed=3)
     for i, call in enumerate(traces.calls):
         call["hidden"] = [float(i % 5), 1.0, 0.0, -1.0]
-    dm = TraceDataModule(dataset=store.build(traces, val=0.2, test=0.2), horizon=K, max_path=8,
-                         text_encoder=HashingTextEncoder(64))
+    dm = TraceDataModule(dataset=store.build(traces, val=0.2, test=0.2), horizon=K, seed=0, max_path=8,
+                         text_encoder=HashingTextEncoder(dim=64))
     dm.setup()
     assert dm.corpus.text.source == "hidden" and dm.corpus.text.dim == 4
     text = dm.splits["train"][:][2]
     assert torch.equal(text[:, 1:], torch.tensor([1.0, 0.0, -1.0]).expand(len(text), 3))
-    predictor = GraphSAGEPredictor.from_corpus(dm.corpus, dim=16, hidden=32).eval()
+    predictor = GraphSAGEPredictor.from_corpus(dm.corpus, dim=16, hidden=32, identity=False).eval()
     probs = predictor.predict([WorkflowPrefix(["retriever"], "any", [1.0, 2.0, 3.0, 4.0]),
                                WorkflowPrefix(["retriever"])])  # no hidden: zeros
     assert probs.shape == (2, K, len(predictor.agent_names) + 1)
@@ -367,7 +367,7 @@ def test_identity_training_reaches_the_projection_and_known_agents_carry_their_t
 def test_val_and_test_agents_outside_the_vocabulary_keep_an_identity_in_the_examples():
     ds = store.build(Hover().generate(40, seed=0), val=0.2, test=0.2, seed=0)
     ds.calls["test"] = ds.calls["test"].map(lambda r: {"agent": "fact_checker" if r["agent"] == "verifier" else r["agent"]})
-    dm = TraceDataModule(dataset=ds, horizon=K, max_path=8, text_encoder=HashingTextEncoder(64))
+    dm = TraceDataModule(dataset=ds, horizon=K, seed=0, max_path=8, text_encoder=HashingTextEncoder(dim=64))
     dm.setup()
     corpus = dm.corpus
     assert corpus.unseen_agents == ["fact_checker"] and "fact_checker" not in corpus.agent_names
@@ -375,7 +375,7 @@ def test_val_and_test_agents_outside_the_vocabulary_keep_an_identity_in_the_exam
     path, n_calls, text, labels = dm.splits["test"][:]
     assert (path == n_classes).any() and not (labels >= n_classes).any()  # paths name it; labels say <unk>
     graph = identity_predictor("graphsage", corpus, dm.text_encoder)
-    markov = MarkovPredictor.from_corpus(corpus)
+    markov = MarkovPredictor.from_corpus(corpus, order=2)
     assert graph.example_batch(path, n_calls, text).path.max() == n_classes
     assert markov.example_batch(path, n_calls, text).path.max() < n_classes  # no identities: <unk>
     # serving meets the same agent under the same id as the examples

@@ -29,8 +29,8 @@ SHORT_TOLERANCE = 0.08  # device hit-rate gap allowed in the short in-suite comp
 CONCURRENCY = 2
 TOOL_TIME_SCALE = 0.1
 SMALL_HOVER = ["workload=hover", "n_workflows=40", "seed=0", "workload.passage_tokens=24",
-               "+workload.output_scale=0.1",
-               "+workload.system_prompt_tokens={retriever:48,summarizer:64,query_generator:48,verifier:96}"]
+               "workload.output_scale=0.1",
+               "workload.system_prompt_tokens={retriever:48,summarizer:64,query_generator:48,verifier:96}"]
 
 
 @pytest.fixture(scope="module")

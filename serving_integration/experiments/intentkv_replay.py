@@ -32,7 +32,7 @@ import torch
 from models.intentkv import pruning as intentkv
 from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys
 
-LAYOUTS = ("compaction", "sentinel")
+LAYOUTS = intentkv.LAYOUTS
 PSEUDO_HEADS, PSEUDO_DIM = 4, 16
 
 

@@ -1,5 +1,7 @@
-"""The one validation step of every command: ranges and names of its settings, checked on the
-composed config before any work (pydantic models, one per config group, checked by key path).
+"""evaluate.py's checks of the serving groups (sim, kv, pbkv, tlru, kvflow, predictor, cost_model
+and the root keys), on the composed config before any work (pydantic models, one per config group,
+checked by key path). The `data` node is data.config.data_config's. These checks move into the
+serving groups' knobs dataclasses (data.knobs), as data/ and models/ did.
 
 ``validate(cfg, SCHEMA)`` raises :class:`data.errors.ConfigError` with one line such as
 ``sim.concurrency=0: Input should be greater than or equal to 1``. Unknown keys are allowed
@@ -57,18 +59,6 @@ ExistingDir = Annotated[Optional[str], _existing("dir")]
 
 class Group(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class Split(Group):
-    val: Fraction = 0.1
-    test: Fraction = 0.1
-    seed: Seed = 0
-
-    @model_validator(mode="after")
-    def _sum(self):
-        if self.val + self.test >= 1:
-            raise ValueError("val + test should be below 1 (the rest is the train split)")
-        return self
 
 
 def model_families() -> tuple[str, ...]:
@@ -247,139 +237,4 @@ def evaluate_schema() -> dict[str, type[BaseModel]]:
 
     # predictor before sim: sim.predictor_cost_s is ${predictor.cost_s}, name the key a user sets
     return {"": Top, "predictor": Predictor, "sim": Sim, "kv": Kv, "pbkv": Pbkv, "tlru": Tlru, "kvflow": Kvflow,
-            "cost_model": CostModel, **data_schema("data")}
-
-
-def data_schema(prefix: str) -> dict[str, type[BaseModel]]:
-    """The `data` group (train.py, evaluate.py): a dataset directory or a generated source."""
-
-    class Data(Group):
-        name: Text
-        path: ExistingDir = None
-
-    class Source(Group):
-        n_workflows: Optional[Count] = None
-        seed: Optional[Seed] = None
-
-    class Workload(Group):  # generated workloads (data/generators.py, data/task_text.py)
-        cue_noise: Probability = 0.1
-        template_holdout: bool = True
-
-    return {prefix: Data, f"{prefix}.split": Split, f"{prefix}.source": Source,
-            f"{prefix}.source.workload": Workload}
-
-
-# -------------------------------------------------------------------- train.py
-
-def train_schema() -> dict[str, type[BaseModel]]:
-    class Top(Group):
-        seed: Seed
-        horizon: Count
-        checkpoint_name: Text
-        torch_threads: Optional[Count] = None
-
-    class DataModule(Group):
-        max_path: Count = 32
-        batch_size: Count = 256
-        text_source: Annotated[str, one_of(("auto", "hidden", "encoder", "none"))] = "auto"
-
-    class Model(Group):
-        name: Annotated[str, one_of(model_families())]
-
-    class Optimizer(Group):
-        lr: Optional[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = None
-        weight_decay: Optional[NonNeg] = None
-
-    class Trainer(Group):
-        max_epochs: Optional[Annotated[int, Field(ge=-1, strict=True)]] = None
-        min_epochs: Optional[NonNegInt] = None
-        devices: Any = None
-
-    return {"": Top, "datamodule": DataModule, "model": Model, "model.optimizer": Optimizer, "trainer": Trainer,
-            **data_schema("data")}
-
-
-# -------------------------------------------------------------------- data.generate / data.import_traces
-
-def generate_schema() -> dict[str, type[BaseModel]]:
-    class Top(Group):
-        n_workflows: Count
-        seed: Seed
-        out: Text
-        overwrite: bool
-
-    return {"": Top, "split": Split}
-
-
-def import_schema() -> dict[str, type[BaseModel]]:
-    from data.import_traces import FORMATS
-
-    class Top(Group):
-        format: Annotated[str, one_of(FORMATS)]
-        src: Annotated[str, Field(min_length=1), _existing("path")]
-        out: Text
-        skip_bad_lines: bool
-        overwrite: bool
-
-    return {"": Top, "split": Split}
-
-
-# -------------------------------------------------------------------- models.intentkv.train
-
-def intentkv_schema() -> dict[str, type[BaseModel]]:
-    class Top(Group):
-        steps: Count
-        out: Text
-        seed: Seed
-        n_train: Count
-        n_test: Count
-        horizon: Count
-        lam: NonNeg
-        batch: Count
-        lr: Annotated[float, Field(gt=0, allow_inf_nan=False)]
-        weight_decay: NonNeg
-        d_model: Count
-        hidden: Count
-        budget_frac: Probability
-        model_hidden: Count
-        model_layers: Count
-        model_heads: Count
-        threads: Count
-
-        @model_validator(mode="after")
-        def _heads(self):
-            if self.model_hidden % self.model_heads:
-                raise ValueError("model_hidden should be a multiple of model_heads")
-            return self
-
-    return {"": Top}
-
-
-# -------------------------------------------------------------------- serving_integration.experiments.bench
-
-def bench_schema() -> dict[str, type[BaseModel]]:
-    class Args(Group):
-        url: Text
-        data: Annotated[str, Field(min_length=1), _existing("dir")]
-        split: Annotated[str, one_of(("train", "val", "test", "all"))]
-        n_workflows: NonNegInt
-        concurrency: Count
-        tool_time_scale: NonNeg
-        token_range: Annotated[list[NonNegInt], Field(min_length=2, max_length=2)]
-        request_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)]
-        out: Text
-        gpu_tokens: NonNegInt
-        seed: Seed
-
-        @model_validator(mode="after")
-        def _range(self):
-            if self.token_range[0] >= self.token_range[1]:
-                raise ValueError("token_range should be LOW HIGH with LOW < HIGH")
-            return self
-
-    return {"": Args}
-
-
-# the checks of each Hydra root config, by its name in conf/
-SCHEMAS = {"evaluate": evaluate_schema, "train": train_schema, "generate": generate_schema,
-           "import_traces": import_schema}
+            "cost_model": CostModel}

@@ -1,0 +1,371 @@
+"""The knobs of models/: one dataclass per component, each field with its one default, its range
+and a help line (data.knobs), registered as the Hydra schemas of train.py's config groups:
+
+    conf/model/*.yaml               MarkovModel, GraphSAGEModel, RGCNModel, IntentResidualModel
+        predictor                   MarkovConfig, GraphSAGEConfig, RGCNConfig, IntentResidualConfig
+        optimizer                   AdamWConfig
+    conf/model/text_encoder/*.yaml  HashingConfig, MiniLMConfig                  (models/text.py)
+    conf/trainer/*.yaml             TrainerConfig                                (pytorch_lightning.Trainer)
+    conf/callbacks/*.yaml           ModelCheckpointConfig, EarlyStoppingConfig, RichProgressBarConfig
+    conf/logger/*.yaml              CsvLoggerConfig, WandbLoggerConfig
+    conf/train.yaml                 TrainConfig (seed, horizon, checkpoint_name, torch_threads, datamodule, ...)
+    conf/intentkv_train.yaml        IntentKVTrainConfig                          (python -m models.intentkv.train)
+
+The predictors and encoders take their hyper-parameters as keyword arguments and check them here
+(``GraphSAGEPredictor.from_corpus(corpus, dim=16)``): the constructors write no default of their own.
+:func:`train_config` builds the composed train.py config into its checked form; a bad value is one
+line, ``model.predictor.layers=0: Input should be greater than or equal to 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, List, Optional
+
+from data.config import data_config
+from data.knobs import (above, at_least, below, broken_rule, build, check, knob, nonempty, one_of, probability,
+                        register)
+
+TEXT_SOURCES = ("auto", "hidden", "encoder", "none")  # auto: the trace's hidden vectors when every call has one
+
+
+class Knobs:
+    """What every knobs dataclass of this module does after construction: check its fields."""
+
+    def __post_init__(self):
+        check(self)
+
+
+# ------------------------------------------------------------------ predictor families
+
+@dataclass
+class MarkovConfig(Knobs):
+    order: int = knob(1, "n: agents of context", at_least(0))
+    alpha: float = knob(0.1, "additive smoothing of the unigram base (keeps every probability non-zero)", above(0))
+    backoff: float = knob(1.0, "beta: weight of the lower-order distribution", above(0))
+
+
+@dataclass
+class GraphSAGEConfig(Knobs):
+    dim: int = knob(128, "d: width of node states, path attention and text projection", at_least(1))
+    hidden: int = knob(256, "width of the MLP head's two hidden layers", at_least(1))
+    layers: int = knob(2, "GNN layers over the call graph", at_least(1))
+    max_steps: int = knob(64, "absolute step positions the path attention distinguishes", at_least(1))
+    dropout: float = knob(0.1, "dropout of the MLP head", at_least(0), below(1))
+    use_cur: bool = knob(True, "h_cur, the current agent's GNN state (false: zeroed, an ablation)")
+    use_path: bool = knob(True, "h_path, attention over the path (false: zeroed, an ablation)")
+    use_text: bool = knob(True, "h_txt, the text signal (false: zeroed, an ablation)")
+    identity: bool = knob(True, "embed agents by name + system prompt (the text encoder), so an agent never seen in "
+                                "training is not just <unk>")
+    identity_dropout: float = knob(0.15, "share of path tokens trained on their edge-less identity state",
+                                   probability)
+
+
+@dataclass
+class RGCNConfig(GraphSAGEConfig):
+    num_bases: Optional[int] = knob(None, "basis decomposition of the relation weights (null: one matrix per "
+                                          "relation)", at_least(1))
+
+
+@dataclass
+class IntentResidualConfig(Knobs):
+    prior: MarkovConfig = knob(None, "the Markov prior the residual is added to",
+                               factory=lambda: MarkovConfig(order=2))
+    dim: int = knob(64, "width of the request embeddings and the intent memory", at_least(1))
+    hidden: int = knob(128, "width of the residual head's hidden layer", at_least(1))
+    decay: float = knob(0.5, "lambda: the memory decays by exp(-lambda) per request", at_least(0))
+    alpha: float = knob(1.0, "scale of the residual", at_least(0))
+    use_text: bool = knob(True, "the text signal in requests and head (false: zeroed)")
+
+
+# the Hydra node of each family's predictor: its hyper-parameters and the factory that takes them
+@dataclass
+class MarkovTarget(MarkovConfig):
+    _target_: str = "models.markov.MarkovPredictor.from_corpus"
+    _partial_: bool = True
+
+
+@dataclass
+class GraphSAGETarget(GraphSAGEConfig):
+    _target_: str = "models.graphsage.GraphSAGEPredictor.from_corpus"
+    _partial_: bool = True
+
+
+@dataclass
+class RGCNTarget(RGCNConfig):
+    _target_: str = "models.graphsage.RGCNPredictor.from_corpus"
+    _partial_: bool = True
+
+
+@dataclass
+class IntentResidualTarget(IntentResidualConfig):
+    _target_: str = "models.intent.IntentResidualPredictor.from_corpus"
+    _partial_: bool = True
+
+
+def hyperparameters(config) -> dict:
+    """A family's knobs as constructor keywords (without the Hydra keys)."""
+    return {f.name: getattr(config, f.name) for f in fields(config) if not f.name.startswith("_")}
+
+
+# ------------------------------------------------------------------ optimizer, text encoders
+
+@dataclass
+class AdamWConfig(Knobs):
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = knob(1e-3, "learning rate", above(0))
+    weight_decay: float = knob(1e-4, "decoupled weight decay", at_least(0))
+
+
+@dataclass
+class HashingConfig(Knobs):
+    _target_: str = "models.text.HashingTextEncoder"
+    dim: int = knob(256, "hashed features (the text vector's width)", at_least(1))
+    ngram_max: int = knob(2, "word 1..n-grams hashed", at_least(1))
+
+
+@dataclass
+class MiniLMConfig(Knobs):
+    _target_: str = "models.text.MiniLMTextEncoder"
+    batch_size: int = knob(64, "texts encoded per forward pass", at_least(1))
+    device: str = knob("cpu", "torch device of the encoder", nonempty)
+
+
+# ------------------------------------------------------------------ model groups (conf/model/*.yaml)
+
+@dataclass
+class ModelConfig(Knobs):
+    name: str = knob("???", "the family (run names, W&B tags)", nonempty)
+    predictor: Any = knob(None, "the family's predictor and its hyper-parameters")
+    optimizer: Optional[AdamWConfig] = knob(None, "the optimizer of trainable families (null: fitted from counts)")
+    scheduler: Any = knob(None, "a learning-rate scheduler factory (null: none)")
+    text_encoder: Any = knob(None, "encoder of the task text and agent identities (conf/model/text_encoder)")
+
+    def __post_init__(self):
+        check(self)
+        if isinstance(self.text_encoder, dict):
+            target = self.text_encoder.get("_target_")
+            encoders = {c._target_: c for c in (HashingConfig, MiniLMConfig)}
+            cls = encoders.get(target)
+            self.text_encoder = build(self.text_encoder, cls, "text_encoder") if cls else self.text_encoder
+
+
+@dataclass
+class MarkovModel(ModelConfig):
+    name: str = "markov"
+    predictor: MarkovTarget = knob(None, "order-n Markov chain with backoff", factory=MarkovTarget)
+
+
+@dataclass
+class GraphSAGEModel(ModelConfig):
+    name: str = "graphsage"
+    predictor: GraphSAGETarget = knob(None, "GraphSAGE over the call graph", factory=GraphSAGETarget)
+    optimizer: Optional[AdamWConfig] = knob(None, "AdamW", factory=AdamWConfig)
+
+
+@dataclass
+class RGCNModel(ModelConfig):
+    name: str = "rgcn"
+    predictor: RGCNTarget = knob(None, "R-GCN over typed relations", factory=RGCNTarget)
+    optimizer: Optional[AdamWConfig] = knob(None, "AdamW", factory=AdamWConfig)
+
+
+@dataclass
+class IntentResidualModel(ModelConfig):
+    name: str = "intent_residual"
+    predictor: IntentResidualTarget = knob(None, "intent-memory residual over a Markov prior",
+                                           factory=IntentResidualTarget)
+    optimizer: Optional[AdamWConfig] = knob(None, "AdamW (3e-3: the residual starts at zero)",
+                                            factory=lambda: AdamWConfig(lr=3e-3))
+
+
+MODEL_CONFIGS = {cls.name: cls for cls in (MarkovModel, GraphSAGEModel, RGCNModel, IntentResidualModel)}
+
+
+# ------------------------------------------------------------------ trainer, callbacks, loggers
+
+@dataclass
+class TrainerConfig(Knobs):
+    """The pytorch_lightning.Trainer arguments train.py sets; `+trainer.NAME=VALUE` passes any other
+    one through, unchecked."""
+
+    _target_: str = "pytorch_lightning.Trainer"
+    default_root_dir: str = "${hydra:runtime.output_dir}"
+    min_epochs: Optional[int] = knob(1, "epochs before early stopping may end the run", at_least(0))
+    max_epochs: Optional[int] = knob(100, "epochs at most (-1: no limit); early stopping ends runs well before",
+                                     at_least(-1))
+    accelerator: str = knob("auto", "auto: the CPU here, a GPU when one is present; cpu, gpu", nonempty)
+    devices: Any = knob(1, "devices to train on (Lightning's `devices`)")
+    deterministic: bool = knob(True, "deterministic algorithms: same config, same metrics")
+    log_every_n_steps: int = knob(10, "training steps between logged losses", at_least(1))
+    check_val_every_n_epoch: int = knob(1, "epochs between validations (early stopping watches them)", at_least(1))
+    enable_model_summary: bool = knob(False, "print the layer summary before training")
+
+
+@dataclass
+class ModelCheckpointConfig(Knobs):
+    _target_: str = "pytorch_lightning.callbacks.ModelCheckpoint"
+    dirpath: str = "${hydra:runtime.output_dir}/checkpoints"
+    filename: str = knob("best", "the kept checkpoint's name", nonempty)
+    monitor: str = knob("val/loss", "the metric that picks the kept weights", nonempty)
+    mode: str = knob("min", "keep the lowest (min) or highest (max) monitored value", one_of(("min", "max")))
+    save_top_k: int = knob(1, "checkpoints kept", at_least(-1))
+    save_last: bool = knob(False, "also keep the last epoch's weights")
+    auto_insert_metric_name: bool = knob(False, "the metric's name in the file name")
+
+
+@dataclass
+class EarlyStoppingConfig(Knobs):
+    _target_: str = "pytorch_lightning.callbacks.EarlyStopping"
+    monitor: str = knob("val/loss", "the metric watched", nonempty)
+    mode: str = knob("min", "stop when it stops falling (min) or rising (max)", one_of(("min", "max")))
+    patience: int = knob(8, "validations without improvement before stopping", at_least(0))
+    min_delta: float = knob(1e-4, "the smallest change that counts as improvement", at_least(0))
+
+
+@dataclass
+class RichProgressBarConfig(Knobs):
+    _target_: str = "pytorch_lightning.callbacks.RichProgressBar"
+
+
+@dataclass
+class CsvLoggerConfig(Knobs):
+    _target_: str = "pytorch_lightning.loggers.CSVLogger"
+    save_dir: str = "${hydra:runtime.output_dir}"
+    name: str = knob("csv", "folder of the metrics.csv under the run directory")
+    version: str = knob("", "subfolder ('' : none)")
+
+
+@dataclass
+class WandbLoggerConfig(Knobs):
+    _target_: str = "pytorch_lightning.loggers.WandbLogger"
+    save_dir: str = "${hydra:runtime.output_dir}"
+    project: str = knob("pbkv", "W&B project", nonempty)
+    name: str = knob("${model.name}-${data.name}-seed${seed}", "run name", nonempty)
+    group: str = knob("${data.name}", "runs compared together", nonempty)
+    job_type: str = knob("${task_name}", "W&B job type")
+    tags: List[str] = knob(None, "run tags", factory=lambda: ["${model.name}", "${data.name}"])
+    offline: bool = knob(True, "offline run (`wandb sync RUN_DIR/wandb/offline-run-*` uploads it)")
+    log_model: bool = knob(False, "upload checkpoints to W&B")
+
+
+CALLBACK_CONFIGS = {"model_checkpoint": ModelCheckpointConfig, "early_stopping": EarlyStoppingConfig,
+                    "rich_progress_bar": RichProgressBarConfig}
+LOGGER_CONFIGS = {"csv": CsvLoggerConfig, "wandb": WandbLoggerConfig}
+
+
+# ------------------------------------------------------------------ train.py's root
+
+@dataclass
+class DataModuleConfig(Knobs):
+    _target_: str = "models.datamodule.TraceDataModule"
+    _recursive_: bool = False  # data.source is built and cached by data.store.resolve, not by instantiate
+    # wiring, not knobs: train.py's data node and root knobs (checked there)
+    data: Any = "${data}"
+    horizon: Any = "${horizon}"
+    seed: Any = "${seed}"
+    max_path: int = knob(32, "agents of the path the predictor sees (older calls are dropped)", at_least(1))
+    batch_size: int = knob(256, "examples per training step", at_least(1))
+    text_source: str = knob("auto", "h_txt from: auto (the trace's hidden vectors when every call has one, else "
+                                    "the text encoder), hidden, encoder, none", one_of(TEXT_SOURCES))
+
+
+@dataclass
+class TrainConfig(Knobs):
+    task_name: str = "train"
+    seed: int = knob(0, "seeds everything: same config, same metrics", at_least(0))
+    horizon: int = knob(3, "K: steps predicted per forward pass", at_least(1))
+    checkpoint_name: str = knob("predictor.pt", "the checkpoint's file name in the run directory", nonempty)
+    torch_threads: Optional[int] = knob(1, "intra-op threads: 1 is fastest for these small models on 2 cores and "
+                                           "gives the same numbers under every launcher (null: torch's default)",
+                                        at_least(1))
+    optimized_metric: Optional[str] = knob(None, "the metric returned to a sweeper (hparams_search sets it)")
+    datamodule: DataModuleConfig = knob(None, "examples: one per agent call", factory=DataModuleConfig)
+    data: Any = knob(None, "the dataset (conf/data, data/config.py)")
+    model: Any = knob(None, "the predictor family (conf/model)")
+    trainer: Any = knob(None, "the Lightning Trainer (conf/trainer)")
+    callbacks: Any = knob(None, "Lightning callbacks (conf/callbacks)")
+    logger: Any = knob(None, "csv and W&B loggers (conf/logger)")
+
+
+def train_config(cfg) -> TrainConfig:
+    """train.py's composed config as its checked form: each group by its own knobs class."""
+    top = build({k: cfg[k] for k in ("task_name", "seed", "horizon", "checkpoint_name", "torch_threads",
+                                     "optimized_metric", "datamodule") if k in cfg}, TrainConfig)
+    top.data = data_config(cfg.data)
+    name = cfg.model.get("name")
+    if name not in MODEL_CONFIGS:
+        raise_unknown("model.name", name, MODEL_CONFIGS)
+    top.model = build(cfg.model, MODEL_CONFIGS[name], "model")
+    # trainer, callbacks and loggers name the run directory (${hydra:runtime.output_dir}), known only
+    # inside a Hydra run: their knobs are checked unresolved (none of them is an interpolation)
+    trainer = {k: v for k, v in unresolved(cfg.trainer).items() if k in {f.name for f in fields(TrainerConfig)}}
+    top.trainer = build(trainer, TrainerConfig, "trainer")
+    top.callbacks = _entries(cfg.get("callbacks"), CALLBACK_CONFIGS, "callbacks")
+    top.logger = _entries(cfg.get("logger"), LOGGER_CONFIGS, "logger")
+    return top
+
+
+def unresolved(node) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=False) if node is not None else {}
+
+
+def _entries(group, classes: dict, prefix: str) -> dict:
+    return {name: build(node, classes[name], f"{prefix}.{name}") if name in classes else node
+            for name, node in unresolved(group).items() if node is not None}
+
+
+def raise_unknown(key: str, value, known) -> None:
+    from data.errors import ConfigError
+
+    raise ConfigError(f"{key}={value}: should be one of {', '.join(known)}")
+
+
+# ------------------------------------------------------------------ python -m models.intentkv.train
+
+@dataclass
+class IntentKVTrainConfig(Knobs):
+    """The IntentKV residual head's training on generated text sessions (docs/intentkv.md)."""
+
+    steps: int = knob(200, "optimiser steps", at_least(1))
+    out: str = knob("runs/intentkv", "output folder (replaced whole, only when empty or made by this command)",
+                    nonempty)
+    seed: int = knob(0, "seed of sessions, model and sampling", at_least(0))
+    n_train: int = knob(120, "training sessions", at_least(1))
+    n_test: int = knob(40, "held-out sessions", at_least(1))
+    horizon: int = knob(5, "label: a word in the arguments of the next `horizon` tool calls", at_least(1))
+    lam: float = knob(0.5, "decay of the intent memory", at_least(0))
+    batch: int = knob(8, "decision points per step", at_least(1))
+    lr: float = knob(3e-3, "AdamW learning rate", above(0))
+    weight_decay: float = knob(1e-4, "AdamW weight decay", at_least(0))
+    d_model: int = knob(32, "residual head width", at_least(1))
+    hidden: int = knob(64, "residual head hidden width", at_least(1))
+    budget_frac: float = knob(0.25, "evaluation budget: protected + this share of the other tokens", probability)
+    model_hidden: int = knob(64, "the random transformer's width", at_least(1))
+    model_layers: int = knob(2, "the random transformer's layers", at_least(1))
+    model_heads: int = knob(4, "the random transformer's attention heads", at_least(1))
+    threads: int = knob(1, "torch threads while training", at_least(1))
+    baselines: bool = knob(True, "also score streaming_llm, h2o and snapkv")
+
+    def __post_init__(self):
+        check(self)
+        if self.model_hidden % self.model_heads:
+            raise broken_rule(self, ("model_hidden", "model_heads"), "model_hidden should be a multiple of model_heads")
+
+
+def register_schemas() -> None:
+    for cls in MODEL_CONFIGS.values():
+        register("model", cls, f"{cls.name}_schema")
+    register("model/text_encoder", HashingConfig, "hashing_schema")
+    register("model/text_encoder", MiniLMConfig, "minilm_schema")
+    register("trainer", TrainerConfig, "schema")
+    for name, cls in {**CALLBACK_CONFIGS, **LOGGER_CONFIGS}.items():
+        register("callbacks" if name in CALLBACK_CONFIGS else "logger", cls, f"{name}_schema")
+    register(None, TrainConfig, "train_schema")
+    register(None, IntentKVTrainConfig, "intentkv_train_schema")
+
+
+register_schemas()
