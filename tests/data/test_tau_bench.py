@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import models.config  # noqa: F401  (registers the train config's schemas)
 from data import store
-from data.cli import CONF_DIR, run_command
+from data.cli import CONF_DIR
 from data.errors import TraceValidationError
-from data.import_traces import import_traces
+from data.import_traces import import_traces, main as import_main
 from data.published import located, read_bytes
 from data.tau_bench import OPENER, read_tau_bench, user_simulator_system_prompt
 from tests.conftest import REPO, TAU_BENCH
@@ -107,7 +108,7 @@ def test_user_simulator_prompt_is_its_own_role_flipped_view(traces, runs):
 
 def test_data_group_resolves_the_published_file(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["out=unused", "+data=tau_bench"]).data
+        cfg = compose(config_name="train", overrides=["data=tau_bench"]).data
     assert cfg.name == "tau_bench" and cfg.source.format == "tau_bench"
     src = Path(cfg.source.src)
     assert (src if src.is_absolute() else (REPO / src)).resolve() == TAU_BENCH.resolve()
@@ -130,7 +131,7 @@ def test_corrupted_slice_is_reported_and_nothing_is_written(tmp_path, runs, caps
     assert not any(": run 0:" in s for s in shown)
 
     argv = ["format=tau_bench", f"src={src}", f"out={out}"]
-    assert run_command("import_traces", import_traces, argv) == 1
+    assert import_main(argv) == 1
     err = capsys.readouterr().err
     assert f"{src}: run 1: field 'traj[4].role'" in err and "nothing was written" in err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["slice.json"]
