@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import check_output
-from data.config_checks import SCHEMAS, validate
 from data.errors import run_reported
+from serving_integration.experiments.config import settings  # registers the config schemas Hydra composes with
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
@@ -34,12 +34,12 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
-    """Validate the config (data.config_checks) and the run directory, then evaluate."""
-    validate(cfg, SCHEMAS["evaluate"]())
-    check_output(run_dir, [cfg.data.path, cfg.predictor.checkpoint])
-    summary = evaluate(cfg, run_dir)
+    """Check the config (serving_integration/experiments/config.py) and the run directory, then evaluate."""
+    knobs = settings(cfg)
+    check_output(run_dir, [cfg.data.path, knobs.predictor.checkpoint])
+    summary = evaluate(cfg, run_dir, knobs)
     plots = plot(summary["rows"], run_dir)
-    if cfg.wandb.enabled:
+    if knobs.wandb.enabled:
         log_wandb(cfg, summary, plots, run_dir)
     print(format_table(summary["rows"]))
     print(f"summary: {run_dir / 'summary.json'}")

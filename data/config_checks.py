@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Optional, Union
+from typing import Annotated, Any, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -142,110 +142,6 @@ def _nonempty_unique(values):
     if len(set(values)) != len(values):
         raise ValueError("should not repeat a name")
     return values
-
-
-# -------------------------------------------------------------------- evaluate.py
-
-def evaluate_schema() -> dict[str, type[BaseModel]]:
-    from models.intentkv.pruning import LAYOUTS, METHODS
-    from serving_integration.cache.policies import PBKV, POLICIES as EVICTION_POLICIES, Prefetch
-    from serving_integration.cache.predictions import NoisySource
-    from serving_integration.experiments.evaluation import POLICIES
-    from serving_integration.cache.router import ROUTERS
-
-    class Top(Group):
-        seed: Seed
-        split: Annotated[str, one_of(("train", "val", "test", "all"))]
-        policies: Annotated[list[Annotated[str, one_of(POLICIES)]], Field(min_length=1),
-                            AfterValidator(_nonempty_unique)]
-        prefetch: Annotated[list[Annotated[str, one_of(Prefetch.MODES)]], Field(min_length=1),
-                            AfterValidator(_nonempty_unique)]
-
-    class Sim(Group):
-        gpu_tokens: Positive
-        hicache_ratio: NonNeg
-        page_size: Count
-        concurrency: Count
-        max_prefill_tokens: Count
-        max_running_requests: Count
-        predictor_cost_s: NonNeg = 0.0
-        charge_measured_predictor_time: bool = False
-        n_workflows: Optional[Count] = None
-        replicas: Count = 1
-        routing: Annotated[str, one_of(ROUTERS)] = "none"
-
-        @model_validator(mode="after")
-        def _routed(self):
-            if self.replicas > 1 and self.routing == "none":
-                raise ValueError(f"sim.replicas={self.replicas} needs a routing policy (sim.routing: "
-                                 f"{', '.join(n for n in ROUTERS if n != 'none')})")
-            return self
-
-    class Kv(Group):
-        budget: Optional[Count] = None
-        method: Annotated[str, one_of(METHODS)]
-        layouts: Annotated[list[Annotated[str, one_of(LAYOUTS)]], Field(min_length=1),
-                           AfterValidator(_nonempty_unique)]
-        policy: Annotated[str, one_of(n for n, cls in EVICTION_POLICIES.items() if not cls.uses_predictions)]
-        chunk_tokens: Count
-        lam: NonNeg
-
-    class Pbkv(Group):
-        horizon: Count
-        gamma: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-        trust: Union[Annotated[str, one_of(PBKV.TRUST)],
-                     Annotated[list[Annotated[str, one_of(PBKV.TRUST)]], Field(min_length=1),
-                               AfterValidator(_nonempty_unique)]] = "adaptive"
-        trust_threshold: Probability = 0.5
-        trust_margin: Probability = 0.1
-        trust_window: Count = 32
-
-        @model_validator(mode="after")
-        def _band(self):
-            if not 0 <= self.trust_threshold - self.trust_margin <= self.trust_threshold + self.trust_margin <= 1:
-                raise ValueError(f"pbkv.trust_threshold +- pbkv.trust_margin must lie in [0, 1]; got "
-                                 f"{self.trust_threshold} +- {self.trust_margin}")
-            return self
-
-    class Tlru(Group):
-        threshold: NonNeg = 0
-        next_prompt_estimate: NonNeg = 0
-
-    class Kvflow(Group):
-        hold_step: NonNegInt = 3
-
-    class Predictor(Group):
-        checkpoint: ExistingPath = None
-        train: Optional[Annotated[str, one_of(model_families())]] = None
-        max_unknown: Probability = 0.5
-        noise: Probability = 0.0
-        noise_kind: Annotated[str, one_of(NoisySource.KINDS)] = "uniform"
-        online: bool = True
-        online_beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
-        train_overrides: list[str] = []
-        cost_s: NonNeg = 0.0
-
-    PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-    class CostModel(Group):  # serving_integration/simulator/cost_model.py
-        name: Text
-        params: PositiveFloat
-        layers: Count
-        q_heads: Count
-        kv_heads: Count
-        head_dim: Count
-        dtype_bytes: Count
-        peak_flops: PositiveFloat
-        mem_bandwidth: PositiveFloat
-        pcie_bandwidth: PositiveFloat
-        mfu: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.5
-        bandwidth_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.75
-        pcie_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.8
-        step_overhead_s: NonNeg = 0.002
-
-    # predictor before sim: sim.predictor_cost_s is ${predictor.cost_s}, name the key a user sets
-    return {"": Top, "predictor": Predictor, "sim": Sim, "kv": Kv, "pbkv": Pbkv, "tlru": Tlru, "kvflow": Kvflow,
-            "cost_model": CostModel, **data_schema("data")}
 
 
 def data_schema(prefix: str) -> dict[str, type[BaseModel]]:
@@ -379,5 +275,6 @@ def bench_schema() -> dict[str, type[BaseModel]]:
 
 
 # the checks of each Hydra root config, by its name in conf/
-SCHEMAS = {"evaluate": evaluate_schema, "train": train_schema, "generate": generate_schema,
+# (evaluate.py's: serving_integration/experiments/config.py settings)
+SCHEMAS = {"train": train_schema, "generate": generate_schema,
            "import_traces": import_schema}

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data.cli import CONF_DIR
-from serving_integration.experiments.evaluation import POLICIES
+from serving_integration.experiments.config import evaluated_policies
 from tests.conftest import REPO
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -74,7 +74,7 @@ def test_experiment_configs_compose(name):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="evaluate", overrides=[f"experiment={name}"], return_hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params
-    assert set(cfg.policies) <= set(POLICIES)
+    assert set(cfg.policies) <= set(evaluated_policies())
 
 
 def robust_row(policy, hits, trust="none", predictor="none", top1=None):

@@ -568,6 +568,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def number(text: str) -> int | float:
+    """A --router-option value: an integer where it is written as one (load_slack), else a float."""
+    return int(text) if text.lstrip("+-").isdigit() else float(text)
+
+
 def main(argv=None) -> int:
     from data.errors import run_reported
 
@@ -615,7 +620,7 @@ def run(args: argparse.Namespace) -> int:
         capacity = min(gpu_token_capacity(i) * (1 + float(i.get("hicache_ratio") or 0)) for i in infos)
         cluster = {"routing": args.routing, "replicas": len(workers), "worker_index": index,
                    "replica_capacity_tokens": capacity or math.inf,
-                   "router_options": {k: float(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
+                   "router_options": {k: number(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
         before = replica_counters(workers)
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=metadata, stream=not args.no_stream,
