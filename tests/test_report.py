@@ -78,7 +78,7 @@ def test_experiment_configs_compose(name):
 
 
 def robust_row(policy, hits, trust="none", predictor="none", top1=None):
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
 
     labels = dict(workload="hover", policy=policy, gpu_tokens=300000, concurrency=32, split="test", horizon=3,
                   gamma=0.5, cost_model="h100", workflows=300, calls=3000, trust=trust, predictor=predictor)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from serving_integration.cache.metrics import replay_metrics
-from serving_integration.experiments.presentation import make_row
+from serving_integration.experiments.rows import make_row
 from serving_integration.cache.workflow_tags import (WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for,
                                                      rid_for)
 
@@ -383,7 +383,7 @@ class ClosedLoopReplay:
 
 
 def summarize(replay: ClosedLoopReplay, labels: dict, extra: dict | None = None) -> dict:
-    """One row in evaluate.py's summary.json schema (serving_integration.experiments.presentation)."""
+    """One row in evaluate.py's summary.json schema (serving_integration.experiments.rows)."""
     ok = [r for r in replay.results if r.ok]
     ttfts = [r.ttft_s for r in ok if not math.isnan(r.ttft_s)]
     labels = {**labels, "workflows": len(replay.workflows), "calls": len(replay.results)}

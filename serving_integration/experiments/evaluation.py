@@ -61,7 +61,7 @@ from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, 
                                                    PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.config import PredictorConfig, Settings, settings
-from serving_integration.experiments.presentation import add_gap_closed, aggregate_seeds, make_row
+from serving_integration.experiments.rows import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.engine import simulate
 

@@ -150,7 +150,7 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
     """The simulator's row for `policy` on the same call rows (tool times scaled as in the replay)."""
     from serving_integration.cache.predictions import ModelSource
     from serving_integration.cache.workload import workflows_from_rows
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
     from serving_integration.server.runtime import DEFAULT_PREFETCH
     from serving_integration.simulator.engine import simulate
 

@@ -4,7 +4,7 @@
 objects the simulator uses), follows the live workflows from the metadata their requests carry,
 batches the predictor over the calls that finished since the last scheduler step, and falls back
 to lifecycle-aware LRU whenever a prediction cannot be trusted. Nothing here imports SGLang: the
-SGLang side (sglang_policies.py, plugin.py, sglang_prefetch.py) calls in with node ids and nodes.
+SGLang side (strategies.py, plugin.py, prefetch.py) calls in with node ids and nodes.
 
 Robustness: a predictor that raises (anything, SystemExit and KeyboardInterrupt included, unless
 the scheduler process itself is stopping: see `SchedulerShutdown`), runs past its timeout or
