@@ -169,3 +169,14 @@ def test_command_line_exit_status_2_and_no_traceback(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error: kv.budget=-1: Input should be greater than or equal to 1" in err
     assert not (run_dir / "summary.json").exists() and not list(run_dir.glob("*.png"))
+
+
+def test_a_value_hydra_cannot_compose_exits_2_too(tmp_path):
+    """A wrong type fails while Hydra composes (before evaluate.py's own checks): still exit status 2,
+    with Hydra's message naming the key, and nothing written."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "evaluate.py", f"hydra.run.dir={tmp_path / 'run'}", "sim.gpu_tokens=lots"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "sim.gpu_tokens" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
