@@ -35,6 +35,7 @@ from pathlib import Path
 from data import CONF_DIR
 from serving_integration.cache.policies import PLUGIN_POLICIES
 from serving_integration.cache.router import ROUTERS
+from serving_integration.cache.config import PbkvConfig
 from serving_integration.simulator.config import SimConfig
 
 SGLANG_CHUNKED_PREFILL = 4096  # SGLang 0.5.23's chunked_prefill_size on a CPU (its startup log)
@@ -137,16 +138,17 @@ def cpu_cost_model():
 
 
 def sped_up(cost, speedup: float):
-    """The cost model of a machine `speedup` times as fast (step overhead / F, mfu and bandwidth
-    efficiency x F): a replay's hit rates depend on how its calls overlap in time."""
+    """The cost model of a machine `speedup` times as fast (step overhead / F, peak FLOP/s and memory
+    bandwidth x F; the efficiencies stay shares in [0, 1]): a replay's hit rates depend on how its
+    calls overlap in time."""
     import dataclasses
 
-    return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup, mfu=cost.mfu * speedup,
-                               bandwidth_efficiency=cost.bandwidth_efficiency * speedup)
+    return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup,
+                               peak_flops=cost.peak_flops * speedup, mem_bandwidth=cost.mem_bandwidth * speedup)
 
 
 def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_time_scale: float = 0.1,
-            gamma: float = 0.5) -> dict:
+            gamma: float = PbkvConfig.gamma) -> dict:
     """The simulator's row for `policy` on the same call rows (tool times scaled as in the replay)."""
     from serving_integration.cache.predictions import ModelSource
     from serving_integration.cache.workload import workflows_from_rows
