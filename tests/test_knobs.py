@@ -54,3 +54,38 @@ def test_a_bad_value_is_one_line_naming_its_full_key(values, message):
     with pytest.raises(ConfigError) as e:
         build(OmegaConf.create(values), Example, "ex")
     assert str(e.value) == message
+
+
+@dataclass(frozen=True)
+class FrozenInner:
+    threshold: float = knob(0.3, "a share", probability)
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    count: int = knob(3, "how many", at_least(1))
+    inner: FrozenInner = knob(None, "nested", factory=FrozenInner)
+
+    def __post_init__(self):
+        check(self)
+
+
+def test_a_frozen_schema_takes_yaml_values_and_overrides_but_not_unknown_keys():
+    """register() stores a writable node: a frozen dataclass's own node is read-only, nested ones too."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    from data.knobs import register
+
+    register("knobs_test", Frozen)
+    node = ConfigStore.instance().load("knobs_test/schema.yaml").node
+    merged = OmegaConf.merge(node, {"count": 5})
+    OmegaConf.update(merged, "inner.threshold", 0.5)
+    assert build(merged, Frozen, "t") == Frozen(count=5, inner=FrozenInner(0.5))
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(node, {"colour": 1})
+    with pytest.raises(ValidationError):
+        OmegaConf.update(merged, "inner.threshold", "high")
