@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import check_output
-from data.config import data_config  # also registers the data schemas conf/ names
-from data.errors import run_reported
-from serving_integration.experiments.evaluate_checks import evaluate_schema, validate
+import data.config  # noqa: F401  (registers the data schemas conf/ names)
+from data.errors import EXIT_CONFIG, run_reported
+from serving_integration.experiments.config import Composed, settings  # registers the schemas Hydra composes with
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
@@ -35,17 +35,28 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
-    """Check the config (the serving groups, then the data node) and the run directory, then evaluate."""
-    validate(cfg, evaluate_schema())
-    data_config(cfg.data)
-    check_output(run_dir, [cfg.data.path, cfg.predictor.checkpoint])
-    summary = evaluate(cfg, run_dir)
+    """Check the config (serving_integration/experiments/config.py) and the run directory, then evaluate."""
+    knobs = settings(cfg)
+    check_output(run_dir, [cfg.data.path, knobs.predictor.checkpoint])
+    summary = evaluate(cfg, run_dir, knobs)
     plots = plot(summary["rows"], run_dir)
-    if cfg.wandb.enabled:
+    if knobs.wandb.enabled:
         log_wandb(cfg, summary, plots, run_dir)
     print(format_table(summary["rows"]))
     print(f"summary: {run_dir / 'summary.json'}")
 
 
+def cli() -> None:
+    """`python evaluate.py ...`. Hydra exits with status 1 when it cannot compose the config (a value
+    of the wrong type, an unknown key or option, named in its message): a bad setting, so status 2,
+    as for every other; a run or sweep that started keeps its own status."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not Composed.done:
+            sys.exit(EXIT_CONFIG)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli()

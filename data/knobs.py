@@ -204,8 +204,22 @@ def register(group: Optional[str], cls, name: str = "schema") -> None:
     """Store `cls` in Hydra's ConfigStore as `group/name` (the root when group is None): a YAML file
     of the group lists it first in its defaults list and is then typed by it."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(group=group, name=name, node=cls)
+    node = OmegaConf.structured(cls)
+    _writable(node)  # a frozen dataclass's node is read-only: YAML values and overrides could not merge in
+    ConfigStore.instance().store(group=group, name=name, node=node)
+
+
+def _writable(node) -> None:
+    """Clear the read-only flag of a structured node and of every node it nests."""
+    from omegaconf import DictConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, None)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _writable(child)
 
 
 def build(node, cls, prefix: str = ""):

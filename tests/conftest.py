@@ -38,10 +38,6 @@ def assert_bad_setting(base, check, key, value, message):
 
     from data.errors import ConfigError
 
-    if not callable(check):  # a schema of the pydantic checks evaluate.py still uses
-        from serving_integration.experiments.evaluate_checks import validate
-
-        schema, check = check, lambda cfg: validate(cfg, schema)
     cfg = base.copy()
     OmegaConf.update(cfg, key, value, merge=False)
     with pytest.raises(ConfigError) as e:

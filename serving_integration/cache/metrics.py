@@ -21,7 +21,7 @@ TIME_SPLIT = ("tool", "queue", "prefill", "decode", "pcie")
 
 def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: int, workflow_latencies,
                    ttfts, calls: int, makespan_s: float, time_totals: dict | None = None) -> dict:
-    """hit_rate is GPU-hit prompt tokens over prompt tokens; reuse_rate (also named prefix_hit_rate)
+    """hit_rate is GPU-hit prompt tokens over prompt tokens; reuse_rate (the prefix-cache hit rate)
     counts host hits too; recompute_rate is the share of prompt tokens prefilled (missed).
 
     `time_totals`: seconds summed over all workflows for each part of TIME_SPLIT (a part the caller
@@ -39,7 +39,6 @@ def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: 
         "host_hit_tokens": host_hit_tokens,
         "miss_tokens": prompt_tokens - gpu_hit_tokens - host_hit_tokens,
         "prompt_tokens": prompt_tokens,
-        "prefix_hit_rate": reuse,
         "reuse_rate": reuse,
         "recompute_rate": (prompt_tokens - gpu_hit_tokens - host_hit_tokens) / prompt_tokens if prompt_tokens else 0.0,
         "mean_workflow_latency_s": _mean(workflow_latencies),

@@ -47,7 +47,10 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from data.knobs import build
 from models.base import survival
+from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
+    TrustConfig
 
 INF = math.inf
 
@@ -64,7 +67,7 @@ class WorkflowLedger:
     Ordered dicts stand in for sets throughout, so iteration order (and with it every tie) is
     the same in every run."""
 
-    def __init__(self, gamma: float = 0.5):
+    def __init__(self, gamma: float = PbkvConfig.gamma):
         self.gamma = gamma
         self.users: dict[int, dict[str, dict[str, None]]] = {}  # node id -> workflow -> agents
         self.nodes_of: dict[str, dict[int, None]] = {}  # workflow -> node ids it used
@@ -223,7 +226,8 @@ class TLRU(EvictionPolicy):
 
     name = "tlru"
 
-    def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0):
+    def __init__(self, threshold: int = TlruConfig.threshold,
+                 next_prompt_estimate: int = TlruConfig.next_prompt_estimate):
         self.threshold, self.next_prompt_estimate = threshold, next_prompt_estimate
 
     def priority(self, node):
@@ -253,11 +257,9 @@ class TrustMeter:
     climbs above `threshold + margin` (hysteresis, so the order does not flap). It starts at 1:
     the predictions are trusted until calls show otherwise."""
 
-    def __init__(self, threshold: float = 0.5, margin: float = 0.1, window: int = 32):
-        if not 0.0 <= threshold - margin <= threshold + margin <= 1.0:
-            raise ValueError(f"pbkv trust thresholds must lie in [0, 1]; got {threshold} +- {margin}")
-        if window < 1:
-            raise ValueError(f"pbkv.trust_window must be at least 1; got {window}")
+    def __init__(self, threshold: float = TrustConfig.trust_threshold, margin: float = TrustConfig.trust_margin,
+                 window: int = TrustConfig.trust_window):
+        TrustConfig(trust_threshold=threshold, trust_margin=margin, trust_window=window)  # their ranges (ConfigError)
         self.threshold, self.margin, self.alpha = threshold, margin, 1.0 / window
         self.quality, self.trusted, self.observed, self.switches = 1.0, True, 0, 0
 
@@ -275,15 +277,17 @@ class TrustMeter:
 class PBKV(_LedgerPolicy):
     name = "pbkv"
     uses_predictions = True
-    TRUST = ("adaptive", "always")
+    TRUST = TRUST_MODES
 
-    def __init__(self, ledger: WorkflowLedger, trust: str = "adaptive", trust_threshold: float = 0.5,
-                 trust_margin: float = 0.1, trust_window: int = 32):
+    def __init__(self, ledger: WorkflowLedger, **trust):
+        """`trust`: TrustConfig's fields (cache/config.py, their defaults and ranges), one mode."""
         super().__init__(ledger)
-        if trust not in self.TRUST:
-            raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{trust}'")
-        self.trust = trust
-        self.meter = TrustMeter(trust_threshold, trust_margin, trust_window) if trust == "adaptive" else None
+        options = build(trust, TrustConfig, "pbkv")
+        if options.trust not in self.TRUST:
+            raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{options.trust}'")
+        self.trust = options.trust
+        self.meter = (TrustMeter(options.trust_threshold, options.trust_margin, options.trust_window)
+                      if self.trust == "adaptive" else None)
 
     @property
     def trusted(self) -> bool:
@@ -309,7 +313,7 @@ class KVFlow(_LedgerPolicy):
     name = "kvflow"
     uses_predictions = True
 
-    def __init__(self, ledger: WorkflowLedger, hold_step: int = 3):
+    def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.hold_step):
         super().__init__(ledger)
         self.hold_step = hold_step
         self._inherited: dict[int, float] = {}
@@ -381,7 +385,7 @@ class Prefetch:
                   order, to make room; same bandwidth budget and ranking.
     """
 
-    MODES = ("none", "conservative", "aggressive")
+    MODES = PREFETCH_MODES
 
     def __init__(self, mode: str, ledger: WorkflowLedger):
         if mode not in self.MODES:

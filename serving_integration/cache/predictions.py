@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from models.base import WorkflowPrefix, vocabulary
+from serving_integration.cache.config import NOISE_KINDS, NoiseConfig, OnlineBackoffConfig
 
 END = "END"  # the end of a workflow in an agent graph's successor lists
 
@@ -84,7 +85,8 @@ class OnlineBackoff:
     trained predictor never saw get their own columns as they appear (the model gives them no
     mass, the counts do), so `agent_names` grows while serving (in place)."""
 
-    def __init__(self, inner: PredictionSource, beta: float = 10.0, share: float = 0.01):
+    def __init__(self, inner: PredictionSource, beta: float = OnlineBackoffConfig.online_beta,
+                 share: float = 0.01):
         if beta <= 0 or not 0.0 <= share < 0.5:
             raise ValueError(f"online backoff needs beta > 0 and share in [0, 0.5); got {beta}, {share}")
         self.inner, self.beta, self.share = inner, beta, share
@@ -284,9 +286,9 @@ class NoisySource:
                  ran (their cache is what the misplaced mass then protects): error aimed at the
                  policy. It reads the true future, as `PerfectSource` does (simulator only)."""
 
-    KINDS = ("uniform", "adversarial")
+    KINDS = NOISE_KINDS
 
-    def __init__(self, inner: PredictionSource, eps: float, seed: int, kind: str = "uniform"):
+    def __init__(self, inner: PredictionSource, eps: float, seed: int, kind: str = NoiseConfig.noise_kind):
         if not 0.0 <= eps <= 1.0:
             raise ValueError(f"predictor.noise must be in [0, 1]; got {eps}")
         if kind not in self.KINDS:

@@ -16,7 +16,7 @@ Policies (docs/cluster.md):
                  if matched / prompt > cache_threshold, else the least loaded. Every routed prompt
                  is inserted into its worker's tree; every eviction_interval_s the trees are cut
                  back, least recently used first, to max_tree_size characters (counted here as
-                 tokens x chars_per_token). Defaults are sglang-router's.
+                 tokens x chars_per_token). Defaults are sglang-router's (simulator/config.py CacheAwareConfig).
     sticky       sglang-router's manual policy keyed by the workflow id (x-smg-routing-key):
                  a new key goes to the least loaded worker (--assignment-mode min_load; the
                  default there is random), and every
@@ -39,6 +39,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from serving_integration.cache.workload import prefix_keys
+from serving_integration.simulator.config import CacheAwareConfig, PbkvRoutingConfig
 
 
 def least_loaded(servers: Sequence) -> int:
@@ -163,16 +164,16 @@ class RoundRobin(Router):
 class CacheAware(Router):
     name = "cache_aware"
 
-    def __init__(self, replicas: int, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, eviction_interval_s: float = 60.0,
-                 max_tree_size: int = 2**26, chars_per_token: float = 4.0):
+    def __init__(self, replicas: int, **options):
+        """`options`: CacheAwareConfig's fields (serving_integration/simulator/config.py), checked there."""
         super().__init__(replicas)
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
-        self.eviction_interval_s = eviction_interval_s
-        self.max_tree_tokens = max_tree_size / chars_per_token
+        o = CacheAwareConfig(**options)
+        self.cache_threshold = o.cache_threshold
+        self.balance_abs_threshold, self.balance_rel_threshold = o.balance_abs_threshold, o.balance_rel_threshold
+        self.eviction_interval_s = o.eviction_interval_s
+        self.max_tree_tokens = o.max_tree_size / o.chars_per_token
         self.trees = [PromptRecord(self.max_tree_tokens) for _ in range(replicas)]
-        self.next_eviction = eviction_interval_s
+        self.next_eviction = o.eviction_interval_s
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
         lo, hi = min(loads), max(loads)
@@ -216,12 +217,12 @@ class PBKVRouting(Router):
     name = "pbkv"
     uses_predictions = True
 
-    def __init__(self, replicas: int, load_factor: float = 1.25, load_slack: int = 1):
-        if load_factor < 1 or load_slack < 1:
-            raise ValueError(f"pbkv routing needs load_factor >= 1 and load_slack >= 1 (else no replica may fit); "
-                             f"got {load_factor}, {load_slack}")
+    def __init__(self, replicas: int, **options):
+        """`options`: PbkvRoutingConfig's fields (serving_integration/simulator/config.py), checked there
+        (load_factor >= 1 and load_slack >= 1, else no replica may fit)."""
         super().__init__(replicas)
-        self.load_factor, self.load_slack = load_factor, load_slack
+        o = PbkvRoutingConfig(**options)
+        self.load_factor, self.load_slack = o.load_factor, o.load_slack
 
     def bound(self, total_load: int) -> float:
         """The most requests in flight a replica may have once this call is added."""

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from serving_integration.cache.metrics import replay_metrics
-from serving_integration.experiments.presentation import make_row
+from serving_integration.experiments.rows import make_row
 from serving_integration.cache.workflow_tags import (WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for,
                                                      rid_for)
 
@@ -383,7 +383,7 @@ class ClosedLoopReplay:
 
 
 def summarize(replay: ClosedLoopReplay, labels: dict, extra: dict | None = None) -> dict:
-    """One row in evaluate.py's summary.json schema (serving_integration.experiments.presentation)."""
+    """One row in evaluate.py's summary.json schema (serving_integration.experiments.rows)."""
     ok = [r for r in replay.results if r.ok]
     ttfts = [r.ttft_s for r in ok if not math.isnan(r.ttft_s)]
     labels = {**labels, "workflows": len(replay.workflows), "calls": len(replay.results)}
@@ -573,6 +573,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def number(text: str) -> int | float:
+    """A --router-option value: an integer where it is written as one (load_slack), else a float."""
+    return int(text) if text.lstrip("+-").isdigit() else float(text)
+
+
 def main(argv=None) -> int:
     from data.errors import run_reported
 
@@ -620,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
         capacity = min(gpu_token_capacity(i) * (1 + float(i.get("hicache_ratio") or 0)) for i in infos)
         cluster = {"routing": args.routing, "replicas": len(workers), "worker_index": index,
                    "replica_capacity_tokens": capacity or math.inf,
-                   "router_options": {k: float(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
+                   "router_options": {k: number(v) for k, v in (o.split("=", 1) for o in args.router_option)}}
         before = replica_counters(workers)
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=metadata, stream=not args.no_stream,

@@ -159,7 +159,8 @@ def preset_yaml(cost, source: str, report: dict) -> str:
              "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted"
              + (f"\n# (at a bound, so not identified by that run: {', '.join(report['at_bounds'])})."
                 if report.get("at_bounds") else "."),
-             "_target_: serving_integration.simulator.cost_model.CostModel"]
+             "defaults:", "  - schema                 # serving_integration/simulator/cost_model.py CostModel: "
+             "each field's range and help", "  - _self_", ""]
     for key, value in asdict(cost).items():
         # floats with a mantissa dot: YAML 1.1 (PyYAML) reads `1e+11` as a string
         lines.append(f"{key}: {value!r}" if not isinstance(value, float) else f"{key}: {value:.6e}")

@@ -41,6 +41,7 @@ of `kv.layouts`, beside the unpruned baseline (layout none), under `kv.policy`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,130 +52,91 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
 from data.atomic import temporary_sibling_dir, write_json
+from data.knobs import build
 from serving_integration.cache.metrics import live_working_set_tokens
-from serving_integration.cache.policies import POLICIES as EVICTION_POLICIES
 from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
                                                    PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
-from serving_integration.experiments.presentation import add_gap_closed, aggregate_seeds, make_row
-from serving_integration.simulator.engine import SimConfig, simulate
+from serving_integration.experiments.config import PredictorConfig, Settings, settings
+from serving_integration.experiments.rows import add_gap_closed, aggregate_seeds, make_row
+from serving_integration.simulator.config import SimConfig
+from serving_integration.simulator.engine import simulate
 
 log = logging.getLogger(__name__)
 
 PREDICTIVE = ("pbkv", "pbkv_perfect")
-# every eviction policy, plus pbkv_perfect: the pbkv class fed the true future agents
-POLICIES = (*EVICTION_POLICIES, "pbkv_perfect")
 
 
-@dataclass(frozen=True)
-class PolicyKnobs:
-    """The policies' knobs (pbkv.*, kvflow.*, tlru.*), read from the config once."""
+def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizon: int) -> Path:
+    """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
+    recipe = {"family": p.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
+    family_config = REPO / "conf" / "model" / f"{p.train}.yaml"
+    if family_config.is_file():  # a changed default (e.g. a new input of the family) trains anew
+        recipe["model_config"] = hashlib.sha256(family_config.read_bytes()).hexdigest()[:12]
+    if p.train_overrides:
+        recipe["overrides"] = list(p.train_overrides)
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    run = Path(p.cache_dir).resolve() / f"{p.train}-{key}"
+    if not (run / "predictor.pt").is_file():
+        # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
+        tmp = temporary_sibling_dir(run)
+        log.info("training %s on %s into %s", p.train, dataset_path, run)
+        try:
+            subprocess.run([sys.executable, str(REPO / "train.py"), f"model={p.train}",
+                            f"data.path={recipe['data']}", f"seed={seed}", f"horizon={horizon}",
+                            "logger=csv", f"hydra.run.dir={tmp}", *p.train_overrides], cwd=REPO, check=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, subprocess.CalledProcessError):
+                raise ValueError(f"predictor.train={p.train}: train.py failed with exit status "
+                                 f"{e.returncode} (its output is above)") from None
+            raise
+        try:
+            tmp.rename(run)
+        except OSError:  # another job got there first; its checkpoint is the same recipe's
+            shutil.rmtree(tmp, ignore_errors=True)
+    return run / "predictor.pt"
 
-    horizon: int
-    gamma: float
-    trust_modes: tuple[str, ...]  # pbkv.trust: one mode or several (evaluate compares adaptive with always)
-    trust_options: dict
-    kvflow: dict
-    tlru: dict
 
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> "PolicyKnobs":
-        trust = cfg.pbkv.trust
-        return cls(horizon=cfg.pbkv.horizon, gamma=cfg.pbkv.gamma,
-                   trust_modes=(trust,) if isinstance(trust, str) else tuple(trust),
-                   trust_options={k: cfg.pbkv[k] for k in TRUST_OPTIONS}, kvflow=dict(cfg.kvflow), tlru=dict(cfg.tlru))
+def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int):
+    """(source, info) behind `pbkv`: the checkpoint, else one train.py trains for train=FAMILY,
+    else a first-order Markov predictor fitted on the train split."""
+    from models import load_predictor, read_checkpoint
+    from models.markov import MarkovPredictor
+
+    checkpoint = p.checkpoint
+    if not checkpoint and p.train:
+        checkpoint = trained_checkpoint(p, replay.dataset_path, seed, horizon)
+    if checkpoint:
+        # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
+        predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=p.max_unknown)
+        if predictor.horizon != horizon:  # rows are labelled with pbkv.horizon (config.check_horizon)
+            raise ValueError(f"{checkpoint} predicts {predictor.horizon} steps, pbkv.horizon is {horizon}")
+        if hasattr(predictor, "describe_agents"):  # agents it never saw: embedded by name and system prompt
+            predictor.describe_agents(replay.system_prompts)
+        info = {"checkpoint": str(checkpoint), "family": predictor.family,
+                "test_metrics": dict(read_checkpoint(checkpoint).get("metrics", {}))}
+    else:
+        sequences = replay.train_sequences
+        names = vocabulary(a for seq in sequences for a in seq)
+        index = {a: i for i, a in enumerate(names)}
+        predictor = MarkovPredictor.from_sequences(names, horizon, [[index[a] for a in s] for s in sequences],
+                                                   order=1)
+        info = {"checkpoint": None, "family": "markov",
+                "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
+    return ModelSource(predictor), {**info, "online_backoff": p.online_backoff}
 
 
-@dataclass(frozen=True)
-class PredictorSpec:
-    """What drives pbkv's predictions (predictor.*): a checkpoint, a family train.py trains, or
-    Markov fitted here; with online backoff and noise wrapped around it per run."""
-
-    checkpoint: str | None
-    train: str | None
-    cache_dir: str
-    max_unknown: float
-    train_overrides: tuple[str, ...]
-    noise: float
-    noise_kind: str
-    online: bool
-    online_beta: float
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> "PredictorSpec":
-        p = cfg.predictor
-        return cls(checkpoint=p.checkpoint, train=p.train, cache_dir=p.cache_dir, max_unknown=p.max_unknown,
-                   train_overrides=tuple(p.get("train_overrides") or ()), noise=p.noise,
-                   noise_kind=p.get("noise_kind", "uniform"), online=bool(p.get("online", False)),
-                   online_beta=p.get("online_beta", 1.0))
-
-    def trained_checkpoint(self, dataset_path: Path, seed: int, horizon: int) -> Path:
-        """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
-        recipe = {"family": self.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
-        family_config = REPO / "conf" / "model" / f"{self.train}.yaml"
-        if family_config.is_file():  # a changed default (e.g. a new input of the family) trains anew
-            recipe["model_config"] = hashlib.sha256(family_config.read_bytes()).hexdigest()[:12]
-        if self.train_overrides:
-            recipe["overrides"] = list(self.train_overrides)
-        key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-        run = Path(self.cache_dir).resolve() / f"{self.train}-{key}"
-        if not (run / "predictor.pt").is_file():
-            # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
-            tmp = temporary_sibling_dir(run)
-            log.info("training %s on %s into %s", self.train, dataset_path, run)
-            try:
-                subprocess.run([sys.executable, str(REPO / "train.py"), f"model={self.train}",
-                                f"data.path={recipe['data']}", f"seed={seed}", f"horizon={horizon}",
-                                "logger=csv", f"hydra.run.dir={tmp}", *self.train_overrides], cwd=REPO, check=True)
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(e, subprocess.CalledProcessError):
-                    raise ValueError(f"predictor.train={self.train}: train.py failed with exit status "
-                                     f"{e.returncode} (its output is above)") from None
-                raise
-            try:
-                tmp.rename(run)
-            except OSError:  # another job got there first; its checkpoint is the same recipe's
-                shutil.rmtree(tmp, ignore_errors=True)
-        return run / "predictor.pt"
-
-    def learned_source(self, replay: "Replay", seed: int, horizon: int):
-        """(source, info) behind `pbkv`: the checkpoint, else one train.py trains for train=FAMILY,
-        else a first-order Markov predictor fitted on the train split."""
-        from models import load_predictor, read_checkpoint
-        from models.markov import MarkovPredictor
-
-        checkpoint = self.checkpoint
-        if not checkpoint and self.train:
-            checkpoint = self.trained_checkpoint(replay.dataset_path, seed, horizon)
-        if checkpoint:
-            # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
-            predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=self.max_unknown)
-            if hasattr(predictor, "describe_agents"):  # agents it never saw: embedded by name and system prompt
-                predictor.describe_agents(replay.system_prompts)
-            info = {"checkpoint": str(checkpoint), "family": predictor.family,
-                    "test_metrics": dict(read_checkpoint(checkpoint).get("metrics", {}))}
-        else:
-            sequences = replay.train_sequences
-            names = vocabulary(a for seq in sequences for a in seq)
-            index = {a: i for i, a in enumerate(names)}
-            predictor = MarkovPredictor.from_sequences(names, horizon, [[index[a] for a in s] for s in sequences],
-                                                       order=1)
-            info = {"checkpoint": None, "family": "markov",
-                    "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
-        return ModelSource(predictor), {**info, "online_backoff": self.online}
-
-    def for_run(self, source, seed: int, learned: bool):
-        """A fresh wrapper per run: online backoff (it learns from the run's own workflows) around the
-        learned predictor, then noise."""
-        if learned and self.online:
-            source = OnlineBackoff(source, self.online_beta)
-        return NoisySource(source, self.noise, seed, kind=self.noise_kind)
+def for_run(p: PredictorConfig, source, seed: int, learned: bool):
+    """A fresh wrapper per run: online backoff (it learns from the run's own workflows) around the
+    learned predictor, then noise."""
+    if learned and p.online_backoff:
+        source = OnlineBackoff(source, p.online_beta)
+    return NoisySource(source, p.noise, seed, kind=p.noise_kind)
 
 
 @dataclass(frozen=True)
@@ -206,57 +168,52 @@ class Replay:
 
 
 KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
-TRUST_OPTIONS = ("trust_threshold", "trust_margin", "trust_window")
 
 
-def policy_runs(policies, prefetch_modes, knobs: PolicyKnobs, replay: Replay, learned, spec: PredictorSpec,
-                seed: int):
+def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
     """(policy, prefetch mode, what drives its predictions, simulate() keyword arguments) for each
-    requested policy and prefetch mode; `learned` is pbkv's (source, info) from spec.learned_source."""
-    unknown = sorted(set(policies) - set(POLICIES))
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    perfect = PerfectSource(replay.agent_names, knobs.horizon)
-    for name in policies:
+    requested policy and prefetch mode; `learned` is pbkv's (source, info) from learned_source."""
+    pbkv, p = knobs.pbkv, knobs.predictor
+    perfect = PerfectSource(replay.agent_names, pbkv.horizon)
+    for name in knobs.run.policies:
         if name == "kvflow":
             for mode in KVFLOW_PREFETCH:
-                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=knobs.kvflow, prefetch=mode,
-                                                     predictions=replay.step_graph)
+                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=dataclasses.asdict(knobs.kvflow),
+                                                     prefetch=mode, predictions=replay.step_graph)
         elif name in PREDICTIVE:
             source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound
-            for trust in (knobs.trust_modes if name == "pbkv" else ("always",)):
-                options = {"trust": trust, **knobs.trust_options}
-                for mode in prefetch_modes:
-                    yield name, mode, label, dict(policy="pbkv", policy_options=options, prefetch=mode,
-                                                  predictions=spec.for_run(source, seed, learned=name == "pbkv"),
-                                                  gamma=knobs.gamma, trust=trust)
+            for trust in (pbkv.trust_modes if name == "pbkv" else ("always",)):
+                for mode in knobs.run.prefetch:
+                    yield name, mode, label, dict(policy="pbkv", policy_options=pbkv.trust_options(trust),
+                                                  prefetch=mode, gamma=pbkv.gamma, trust=trust,
+                                                  predictions=for_run(p, source, seed, learned=name == "pbkv"))
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
-            for mode in prefetch_modes:
-                yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=knobs.gamma,
+            for mode in knobs.run.prefetch:
+                yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=pbkv.gamma,
                                                   predictions=perfect)
         else:
-            yield name, "none", "none", dict(policy=name, policy_options=knobs.tlru if name == "tlru" else {})
+            yield name, "none", "none", dict(policy=name,
+                                             policy_options=dataclasses.asdict(knobs.tlru) if name == "tlru" else {})
 
 
-def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
+def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> dict:
     """Run every requested policy (and the KV-pruning rows) on one workload, once per seed of
-    `seeds` (or once with `seed`); write summary.json. The config is read here, once: what the
-    runs need is handed down as objects."""
-    knobs, spec, cost = PolicyKnobs.from_config(cfg), PredictorSpec.from_config(cfg), instantiate(cfg.cost_model)
+    `seeds` (or once with `seed`); write summary.json. The config is read here, once, into checked
+    objects (experiments/config.py `settings`): what the runs need is handed down as objects."""
+    knobs = knobs or settings(cfg)
 
     def replay_seed(ds, seed: int):
-        replay = Replay.from_dataset(ds, cfg.split, cfg.sim.n_workflows, knobs.horizon)
+        replay = Replay.from_dataset(ds, knobs.run.split, knobs.sim.n_workflows, knobs.pbkv.horizon)
         sim = sim_config(cfg.sim, replay.train, seed)
-        return evaluate_seed(replay, sim, cost, knobs, spec, cfg.policies, cfg.prefetch, cfg.kv, seed)
+        return evaluate_seed(replay, sim, knobs, seed)
 
-    seeds = list(cfg.get("seeds") or [])
-    if not seeds:
-        rows, info = replay_seed(store.resolve(cfg.data), cfg.seed)
+    if not knobs.run.seeds:
+        rows, info = replay_seed(store.resolve(cfg.data), knobs.run.seed)
         summary = {"rows": rows, **info}
     else:
         seed_rows, info = [], {}
-        for seed in seeds:
+        for seed in knobs.run.seeds:
             rows, info[seed] = replay_seed(store.resolve_seeded(cfg.data, seed), seed)
             seed_rows += rows
         summary = {"rows": aggregate_seeds(seed_rows), "seed_rows": seed_rows,
@@ -269,32 +226,33 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def sim_config(sim: DictConfig, train_workflows, seed: int) -> SimConfig:
-    """SimConfig from the `sim` group; null end-signal settings come from the train split's tool times."""
-    options = {k: v for k, v in OmegaConf.to_container(sim, resolve=True).items() if k != "n_workflows"}
+    """SimConfig of one replay from the `sim` group: null end-signal settings filled in from the
+    train split's tool times (SimConfig itself would read null as "none"), seeded with `seed`."""
+    options = OmegaConf.to_container(sim, resolve=True)
     tool_times = [c.tool_time for w in train_workflows for c in w.calls[1:] if c.tool_time > 0]
-    if options.get("end_signal_delay_s") is None:
+    if options["end_signal_delay_s"] is None:
         options["end_signal_delay_s"] = float(np.median(tool_times)) if tool_times else 0.0
-    if options.get("inactivity_timeout_s") is None:
+    if options["inactivity_timeout_s"] is None:
         options["inactivity_timeout_s"] = 2 * max(tool_times) if tool_times and max(tool_times) > 0 else 60.0
-    return SimConfig(**options, seed=seed)
+    return build({**options, "seed": seed}, SimConfig, "sim")
 
 
-def evaluate_seed(replay: Replay, sim: SimConfig, cost, knobs: PolicyKnobs, spec: PredictorSpec, policies,
-                  prefetch_modes, kv, seed: int) -> tuple[list[dict], dict]:
+def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int) -> tuple[list[dict], dict]:
     """The rows of one replay under every requested policy (and the KV-pruning rows)."""
-    setting = Setting(sim, cost, workload=replay.workload, horizon=knobs.horizon, gamma=knobs.gamma, seed=seed,
-                      split=replay.split)
+    pbkv, p, kv = knobs.pbkv, knobs.predictor, knobs.kv
+    setting = Setting(sim, knobs.cost_model, workload=replay.workload, horizon=pbkv.horizon, gamma=pbkv.gamma,
+                      seed=seed, split=replay.split)
     routes_by_prediction = sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
-    learned = (spec.learned_source(replay, seed, knobs.horizon)
-               if "pbkv" in policies or routes_by_prediction else None)
+    learned = (learned_source(p, replay, seed, pbkv.horizon)
+               if "pbkv" in knobs.run.policies or routes_by_prediction else None)
     rows = []
-    for name, mode, label, kwargs in policy_runs(policies, prefetch_modes, knobs, replay, learned, spec, seed):
+    for name, mode, label, kwargs in policy_runs(knobs, replay, learned, seed):
         if routes_by_prediction and kwargs.get("predictions") is None:
             kwargs, label = {**kwargs, "predictions": learned[0]}, learned[1]["family"]
-        fields = {"noise": spec.noise if name in PREDICTIVE else 0.0, "predictor": label,
+        fields = {"noise": p.noise if name in PREDICTIVE else 0.0, "predictor": label,
                   "trust": kwargs.pop("trust", "none")}
         if name in PREDICTIVE:
-            fields["noise_kind"] = spec.noise_kind
+            fields["noise_kind"] = p.noise_kind
         rows.append(setting.run(replay.workflows, name, mode, kwargs, **fields))
         if name == "pbkv":  # the predictor's own test top-1 at k=1 (train.py's, on this dataset's test split)
             rows[-1]["predictor_top1_k1"] = learned[1].get("test_metrics", {}).get("test/top1_k1")

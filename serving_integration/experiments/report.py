@@ -27,7 +27,8 @@ from data.cli import compose_config
 from data.errors import ConfigError, run_reported
 from data.knobs import build as build_knobs, check, knob, register, shown
 from serving_integration.cache.metrics import TIME_SPLIT
-from serving_integration.experiments.presentation import ROW_LABELS, SETTING, row_label as label
+from serving_integration.experiments.presentation import row_label as label
+from serving_integration.experiments.rows import ROW_LABELS, SETTING
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
 STATIC = ("financebench",)
@@ -39,7 +40,7 @@ PAPER = {
     "lae_hit_vs_lru": "up to 1.66x",
     "static_hit_vs_kvflow": "1.39x (FinanceBench)",
     "static_latency_vs_kvflow": "1.26x (FinanceBench)",
-    "qwen3_32b_point": "LRU 27.09%, lifecycle-only 44.91%, PBKV 69.10% GPU hit rate",
+    "hit_rates_point": "LRU 27.09%, lifecycle-only 44.91%, PBKV 69.10% GPU hit rate (Qwen3-32B)",
     "noise": "at 20% noise conservative prefetch beats aggressive; at >= 30% aggressive is worse than none",
 }
 
@@ -354,14 +355,15 @@ def claims_table(rows) -> str:
         "lae_hit_vs_lru": claim(rows, "pbkv_lae", "lru", DYNAMIC, "hit_rate"),
         "static_hit_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "hit_rate"),
         "static_latency_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "mean_workflow_latency_s", higher=False),
-        "qwen3_32b_point": hit_rates_point(rows),
+        "hit_rates_point": hit_rates_point(rows),
         "noise": noise_claim(rows),
     }
     names = {"hit_vs_lru": "PBKV GPU hit rate vs LRU", "latency_vs_lru": "PBKV latency vs LRU",
              "lae_hit_vs_lru": "lifecycle-only (pbkv_lae) hit rate vs LRU",
              "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow (its own prefetch)",
              "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow (its own prefetch)",
-             "qwen3_32b_point": "LRU / lifecycle-only / PBKV hit rates", "noise": "prediction noise and prefetch"}
+             "hit_rates_point": "LRU / lifecycle-only / PBKV hit rates at one memory point",
+             "noise": "prediction noise and prefetch"}
     return md_table(["claim", "paper", "ours: test split, mean ± 95% CI over seeds, knobs chosen on val"],
                     [[names[k], PAPER[k], ours[k]] for k in PAPER])
 
@@ -706,7 +708,7 @@ def backbone_and_kv_plots(rows, out: Path) -> list[tuple[str, str, str]]:
     kv = [r for r in rows if r["comparison"] == "kv"]
     if kv:
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.bar([f"{r['workload']}\n{r['layout']}" for r in kv], [r["prefix_hit_rate"] for r in kv])
+        ax.bar([f"{r['workload']}\n{r['layout']}" for r in kv], [r["reuse_rate"] for r in kv])
         ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("prefix hit rate")
         ax.set_title("KV pruning: prefix-cache hits by layout")
@@ -721,7 +723,7 @@ def kv_table(rows) -> str:
     kv = [r for r in rows if r["comparison"] == "kv"]
     if not kv:
         return ""
-    body = [[r["workload"], r["layout"], r["kv_method"], str(r["kv_budget"]), fmt(r["prefix_hit_rate"], "{:.1%}"),
+    body = [[r["workload"], r["layout"], r["kv_method"], str(r["kv_budget"]), fmt(r["reuse_rate"], "{:.1%}"),
              fmt(r["hit_rate"], "{:.1%}"), f"{r['kv_tokens_read']:.3g}", fmt(r["mean_workflow_latency_s"])] for r in kv]
     return md_table(["workload", "layout", "method", "budget", "prefix hit rate", "GPU hit rate", "KV tokens read",
                      "mean latency (s)"], body)

@@ -36,6 +36,8 @@ from pathlib import Path
 from data import CONF_DIR
 from serving_integration.cache.policies import PLUGIN_POLICIES
 from serving_integration.cache.router import ROUTERS
+from serving_integration.cache.config import PbkvConfig
+from serving_integration.simulator.config import SimConfig
 
 SGLANG_CHUNKED_PREFILL = 4096  # SGLang 0.5.23's chunked_prefill_size on a CPU (its startup log)
 CPU_COST_MODEL = "cpu-tiny-llama"
@@ -44,8 +46,8 @@ CPU_COST_MODEL = "cpu-tiny-llama"
 # -------------------------------------------------------------------- the real server
 
 
-def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 2.0, concurrency: int = 2,
-             tool_time_scale: float = 0.1, checkpoint: str | None = None, log_dir: str | Path | None = None,
+def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = SimConfig.hicache_ratio,
+             concurrency: int = 2, tool_time_scale: float = 0.1, checkpoint: str | None = None, log_dir: str | Path | None = None,
              health_timeout_s: float = 240.0, extra_launch: list[str] | None = None, replicas: int = 1,
              routing: str = "none") -> dict:
     """Start `launch --cpu` with `policy` (with replicas > 1: a LocalCluster of that many servers,
@@ -124,8 +126,6 @@ def replay_and_collect(url: str, workers: list[str], workflows, policy: str, *, 
 
 def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_size: int = 1, replicas: int = 1,
                routing: str = "none"):
-    from serving_integration.simulator.engine import SimConfig
-
     return SimConfig(gpu_tokens=gpu_tokens, hicache_ratio=hicache_ratio, page_size=page_size,
                      concurrency=concurrency, max_prefill_tokens=SGLANG_CHUNKED_PREFILL, replicas=replicas,
                      routing=routing if replicas > 1 else "none")
@@ -133,28 +133,27 @@ def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_siz
 
 def cpu_cost_model():
     """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
-    import yaml
-    from hydra.utils import instantiate
+    from serving_integration.simulator.config import cost_model_preset
 
-    path = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml"
-    return instantiate(yaml.safe_load(path.read_text()))
+    return cost_model_preset(CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml")
 
 
 def sped_up(cost, speedup: float):
-    """The cost model of a machine `speedup` times as fast (step overhead / F, mfu and bandwidth
-    efficiency x F): a replay's hit rates depend on how its calls overlap in time."""
+    """The cost model of a machine `speedup` times as fast (step overhead / F, peak FLOP/s and memory
+    bandwidth x F; the efficiencies stay shares in [0, 1]): a replay's hit rates depend on how its
+    calls overlap in time."""
     import dataclasses
 
-    return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup, mfu=cost.mfu * speedup,
-                               bandwidth_efficiency=cost.bandwidth_efficiency * speedup)
+    return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup,
+                               peak_flops=cost.peak_flops * speedup, mem_bandwidth=cost.mem_bandwidth * speedup)
 
 
 def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_time_scale: float = 0.1,
-            gamma: float = 0.5) -> dict:
+            gamma: float = PbkvConfig.gamma) -> dict:
     """The simulator's row for `policy` on the same call rows (tool times scaled as in the replay)."""
     from serving_integration.cache.predictions import ModelSource
     from serving_integration.cache.workload import workflows_from_rows
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
     from serving_integration.server.runtime import DEFAULT_PREFETCH
     from serving_integration.simulator.engine import simulate
 
@@ -257,7 +256,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default="lru,pbkv_lae,pbkv")
     p.add_argument("--checkpoint", help="pbkv's predictor.pt (default: a Markov chain fitted on the train split)")
     p.add_argument("--gpu-tokens", type=int, default=32000, help="device KV tokens (--max-total-tokens)")
-    p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--hicache-ratio", type=float, default=SimConfig.hicache_ratio)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--tool-time-scale", type=float, default=0.1)
     p.add_argument("--health-timeout", type=float, default=240.0)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from data import REPO
 from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES
+from serving_integration.simulator.config import SimConfig
 
 PLUGIN_GROUP = "sglang.srt.plugins"
 CPU_SUPPORT = Path(__file__).resolve().parent / "cpu_support"
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--policy-config", default="{}",
                    help="more plugin options as JSON, e.g. '{\"predictor_timeout_s\": 0.1}' (docs/serving.md)")
     p.add_argument("--stats-path", help="file the plugin writes its counters to (JSON, every 10 s)")
-    p.add_argument("--hicache-ratio", type=float, default=2.0, help="host KV pool = ratio x GPU pool")
+    p.add_argument("--hicache-ratio", type=float, default=SimConfig.hicache_ratio, help="host KV pool = ratio x GPU pool")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")

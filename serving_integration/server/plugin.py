@@ -4,7 +4,7 @@
 
 What it registers:
   * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
-  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow` (sglang_policies.py, wrapping policies.py):
+  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow` (strategies.py, wrapping cache/policies.py):
     into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the `--radix-eviction-policy` choices;
   * the tree core `pbkv_python` (SGLang's Python core + split/delete/evict notifications), and a
     hook on `select_tree_core_backend` that picks it whenever one of these policies is selected

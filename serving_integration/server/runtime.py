@@ -4,7 +4,7 @@
 objects the simulator uses), follows the live workflows from the metadata their requests carry,
 batches the predictor over the calls that finished since the last scheduler step, and falls back
 to lifecycle-aware LRU whenever a prediction cannot be trusted. Nothing here imports SGLang: the
-SGLang side (sglang_policies.py, plugin.py, sglang_prefetch.py) calls in with node ids and nodes.
+SGLang side (strategies.py, plugin.py, prefetch.py) calls in with node ids and nodes.
 
 Robustness: a predictor that raises (anything, SystemExit and KeyboardInterrupt included, unless
 the scheduler process itself is stopping: see `SchedulerShutdown`), runs past its timeout or
@@ -29,11 +29,15 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from data.atomic import atomic_file
+from data.errors import ConfigError
+from data.knobs import above, at_least, knob, nonempty, one_of, shown
+from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, OnlineBackoffConfig, \
+    PbkvConfig
 from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
@@ -46,38 +50,33 @@ RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() 
 
 
 @dataclass(frozen=True)
-class PluginConfig:
-    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow policies.
+class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
+    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow policies: the
+    policies' own knobs (serving_integration/cache/config.py, the simulator reads the same classes;
+    `horizon` is K of kvflow's step graph, a checkpoint brings its own) plus the server-only ones
+    below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
+    a value out of range fails there too (one line naming it)."""
 
-    An unknown key fails at server start (TypeError naming it), as SGLang's own policies do."""
-
-    checkpoint: str | None = None  # train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)
-    step_graph_traces: str | None = None  # kvflow: dataset dir whose train split gives the step graph
-    horizon: int = 3  # K of kvflow's step graph (a checkpoint brings its own)
-    gamma: float = 0.5  # PBKV's lookahead discount
-    hold_step: int = 3  # kvflow
-    online_backoff: bool = True  # pbkv: fold served transitions into counts mixed with the model (OnlineBackoff)
-    online_beta: float = 10.0
-    trust: str = "adaptive"  # pbkv: adaptive (lifecycle-aware LRU while predictions are poor) | always
-    trust_threshold: float = 0.5  # pbkv adaptive trust: see policies.TrustMeter
-    trust_margin: float = 0.1
-    trust_window: int = 32
-    prefetch: str | None = None  # none | conservative | aggressive; default per policy (above)
-    predictor_device: str = "cpu"
-    predictor_timeout_s: float | None = 0.05  # None or 0: no timeout (needed for TP > 1, see docs)
-    pcie_gbps: float = 25.0  # host-to-GPU bandwidth the prefetch budget assumes
-    decode_step_ms: float = 20.0  # decode step time the prefetch budget assumes
-    kv_bytes_per_token: int | None = None  # read from the host pool when None
-    prefetch_reserve_tokens: int = 256  # free GPU tokens prefetch always leaves to decode
-    workflow_ttl_s: float = 3600.0  # retire a workflow silent this long (lost end signal); 0: never
-    stats_path: str | None = None  # JSON file the counters are written to
-    stats_interval_s: float = 10.0
+    checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
+    step_graph_traces: Optional[str] = knob(None, "kvflow: dataset dir whose train split gives the step graph")
+    prefetch: Optional[str] = knob(None, "none | conservative | aggressive (null: pbkv conservative, pbkv_lae none, "
+                                   "kvflow aggressive)", one_of(PREFETCH_MODES))
+    predictor_device: str = knob("cpu", "torch device of the predictor", nonempty)
+    predictor_timeout_s: Optional[float] = knob(0.05, "a prediction round slower than this falls back (null or 0: "
+                                                "no timeout, needed for TP > 1, see docs/serving.md)", at_least(0))
+    pcie_gbps: float = knob(25.0, "host-to-GPU bandwidth the prefetch budget assumes", above(0))
+    decode_step_ms: float = knob(20.0, "decode step time the prefetch budget assumes", above(0))
+    kv_bytes_per_token: Optional[int] = knob(None, "KV bytes per token (null: read from the host pool)", at_least(1))
+    prefetch_reserve_tokens: int = knob(256, "free GPU tokens prefetch always leaves to decode", at_least(0))
+    workflow_ttl_s: float = knob(3600.0, "retire a workflow silent this long (a lost end signal); 0: never",
+                                 at_least(0))
+    stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
+    stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
 
     def __post_init__(self):
-        if self.prefetch is not None and self.prefetch not in Prefetch.MODES:
-            raise ValueError(f"prefetch must be one of {', '.join(Prefetch.MODES)}; got {self.prefetch!r}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1]; got {self.gamma}")
+        super().__post_init__()
+        if not isinstance(self.trust, str):
+            raise ConfigError(f"trust={shown(self.trust)}: the plugin runs one mode ({', '.join(TRUST_MODES)})")
 
 
 class PluginStats:
@@ -292,9 +291,7 @@ class WorkflowRuntime:
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
         options = ({"hold_step": config.hold_step} if policy_name == "kvflow" else
-                   {"trust": config.trust, "trust_threshold": config.trust_threshold,
-                    "trust_margin": config.trust_margin, "trust_window": config.trust_window}
-                   if policy_name == "pbkv" else {})
+                   config.trust_options(config.trust) if policy_name == "pbkv" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.fallback = LifecycleLRU(self.ledger)
         self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)

@@ -18,25 +18,32 @@ dense bf16 tensor, 768 GB/s GDDR6, PCIe 4.0 x16 32 GB/s (NVIDIA RTX A6000 datash
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
+
+from data.knobs import above, at_least, at_most, check, knob, nonempty
 
 
 @dataclass(frozen=True)
 class CostModel:
-    name: str
-    params: float  # active parameters
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    peak_flops: float  # dense bf16 FLOP/s
-    mem_bandwidth: float  # bytes/s
-    pcie_bandwidth: float  # bytes/s, host <-> GPU
-    mfu: float = 0.5  # share of peak FLOP/s reached in prefill
-    bandwidth_efficiency: float = 0.75  # share of memory bandwidth reached in decode
-    pcie_efficiency: float = 0.8
-    step_overhead_s: float = 0.002  # scheduler + kernel launches per iteration
+    """conf/cost_model: one serving GPU and the model on it (the schema of those presets)."""
+
+    name: str = knob(MISSING, "the preset's name, carried by every row", nonempty)
+    params: float = knob(MISSING, "active parameters", above(0))
+    layers: int = knob(MISSING, "transformer layers", at_least(1))
+    q_heads: int = knob(MISSING, "query heads", at_least(1))
+    kv_heads: int = knob(MISSING, "KV heads", at_least(1))
+    head_dim: int = knob(MISSING, "head size", at_least(1))
+    dtype_bytes: int = knob(MISSING, "bytes per weight and KV value", at_least(1))
+    peak_flops: float = knob(MISSING, "dense bf16 FLOP/s", above(0))
+    mem_bandwidth: float = knob(MISSING, "memory bandwidth, bytes/s", above(0))
+    pcie_bandwidth: float = knob(MISSING, "host <-> GPU bandwidth, bytes/s", above(0))
+    mfu: float = knob(0.5, "share of peak FLOP/s reached in prefill", above(0), at_most(1))
+    bandwidth_efficiency: float = knob(0.75, "share of memory bandwidth reached in decode", above(0), at_most(1))
+    pcie_efficiency: float = knob(0.8, "share of the host link's bandwidth reached", above(0), at_most(1))
+    step_overhead_s: float = knob(0.002, "scheduler + kernel launches per iteration", at_least(0))
+
+    def __post_init__(self):
+        check(self)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -54,36 +54,11 @@ from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, ma
 from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.bound import sequence_from_trace, upper_bound
+from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.cache.router import make_router
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    gpu_tokens: int = 200_000
-    hicache_ratio: float = 2.0  # host tokens = ratio x GPU tokens
-    page_size: int = 1
-    concurrency: int = 32
-    max_prefill_tokens: int = 8192
-    max_running_requests: int = 256
-    predictor_cost_s: float = 0.0  # charged per batched predictor call
-    charge_measured_predictor_time: bool = False  # charge the measured wall time instead (not reproducible)
-    replicas: int = 1  # servers behind the router; gpu_tokens is their total, split evenly
-    routing: str = "none"  # the router's policy (serving_integration/cache/router.py)
-    router: dict = field(default_factory=dict)  # routing policy name -> its options
-    end_signal_delay_s: float = 0.0  # the end signal arrives this long after a workflow's last call
-    end_signal_loss: float = 0.0  # share of end signals lost (seeded)
-    inactivity_timeout_s: float = math.inf  # retire a workflow silent this long
-    seed: int = 0
-
-    def __post_init__(self):
-        if not 0.0 <= self.end_signal_loss <= 1.0:
-            raise ValueError(f"sim.end_signal_loss must be in [0, 1]; got {self.end_signal_loss}")
-        if self.end_signal_delay_s < 0 or not self.inactivity_timeout_s > 0:
-            raise ValueError("sim.end_signal_delay_s must be >= 0 and sim.inactivity_timeout_s > 0; got "
-                             f"{self.end_signal_delay_s} and {self.inactivity_timeout_s}")
 
 
 @dataclass(eq=False)

@@ -1,5 +1,7 @@
-"""Every option of every config group composes into the root that uses it, and every `_target_` in
-the composed config names an importable callable that accepts the keys given to it."""
+"""Every option of every config group composes into the root that uses it, through the groups'
+structured-config schemas where they have one (an unknown key or a wrong type fails at compose
+time), and every `_target_` in the composed config names an importable callable that accepts the
+keys given to it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 import data.config
 import models.config
 from tests.conftest import REPO
+from serving_integration.experiments import config as evaluate_config  # registers evaluate's schemas
 
 CONF = REPO / "conf"
 # the groups each root selects in its defaults list (experiments and debug configs belong to one root)
@@ -25,14 +28,7 @@ ROOT_GROUPS = {
 ROOT_ONLY = {"debug": {"train": ["train"], "evaluate": ["evaluate"]}}
 
 
-def check_evaluate(cfg):
-    from serving_integration.experiments.evaluate_checks import evaluate_schema, validate
-
-    validate(cfg, evaluate_schema())
-    data.config.data_config(cfg.data)
-
-
-CHECKS = {"train": models.config.train_config, "evaluate": check_evaluate}
+CHECKS = {"train": models.config.train_config, "evaluate": evaluate_config.settings}
 
 
 def options(group: str, root: str) -> list[str]:
@@ -66,7 +62,7 @@ def targets(node, path="cfg"):
         for key in node:
             if key != "hydra":
                 yield from targets(node._get_node(key), f"{path}.{key}")
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():
         for i, item in enumerate(node):
             yield from targets(item, f"{path}[{i}]")
 
@@ -259,3 +255,70 @@ def test_the_configuration_docs_show_each_dataclass_as_it_is(cls, skip):
 
     doc = (CONF.parent / "docs" / "configuration-data.md").read_text()
     assert f"`{cls.__module__}.{cls.__name__}`" in doc and knob_table(cls, skip) in doc
+
+
+# ------------------------------------------------------------------ the schemas of evaluate's groups
+
+SCHEMA_GROUPS = {"sim": "SimConfig", "pbkv": "PbkvConfig", "kvflow": "KvflowConfig", "tlru": "TlruConfig",
+                 "cost_model": "CostModel", "predictor": "PredictorConfig", "kv": "KvConfig", "wandb": "WandbConfig"}
+SCHEMA_CASES = [(group, option) for group in SCHEMA_GROUPS for option in options(group, "evaluate")]
+
+
+def compose_evaluate(overrides):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=overrides)
+
+
+@pytest.mark.parametrize("group,option", SCHEMA_CASES, ids=[f"{g}={o}" for g, o in SCHEMA_CASES])
+def test_every_shipped_option_is_typed_by_its_schema(group, option):
+    cfg = compose_evaluate([f"{group}={option}"])
+    assert OmegaConf.get_type(cfg[group]).__name__ == SCHEMA_GROUPS[group]
+    assert OmegaConf.get_type(cfg).__name__ == "EvaluateSchema"
+
+
+def typed_leaves(node, path):
+    """(dotted key, its type) of every leaf of a composed group."""
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            yield from typed_leaves(child, f"{path}.{key}")
+        else:
+            yield f"{path}.{key}", OmegaConf.get_type(node, key)
+
+
+@pytest.mark.parametrize("group", list(SCHEMA_GROUPS) + ["root"])
+def test_an_unknown_key_fails_at_compose_time(group, tmp_path):
+    """A YAML typo: a group file (here one written beside the shipped ones) with a key its schema lacks."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    if group == "root":
+        (conf / "experiment" / "typo.yaml").write_text("# @package _global_\npolices: [lru]\n")
+        override = "experiment=typo"
+    else:
+        target = conf / group / "typo.yaml"
+        target.write_text(f"defaults:\n  - {options(group, 'evaluate')[0]}\n  - _self_\n\nnot_a_knob: 1\n")
+        override = f"{group}=typo"
+    with initialize_config_dir(str(conf), version_base="1.3"), pytest.raises(Exception) as e:
+        compose(config_name="evaluate", overrides=[override])
+    assert "polices" in str(e.value.__cause__ or e.value) or "not_a_knob" in str(e.value.__cause__ or e.value)
+
+
+def test_a_wrong_type_is_refused_by_every_typed_leaf():
+    """Each scalar leaf of every typed group refuses a value its type cannot hold, as Hydra's merge of
+    an override does (a string where a number belongs, a list where a string belongs); Any, lists
+    and dicts are checked by the dataclass itself (tests/test_bad_input_evaluate.py)."""
+    from omegaconf.errors import ValidationError
+
+    cfg = compose_evaluate([])
+    checked = 0
+    for group in SCHEMA_GROUPS:
+        for key, kind in typed_leaves(cfg[group], group):
+            bad = {int: "notanumber", float: "notanumber", bool: "notabool", str: [1, 2]}.get(kind)
+            if bad is None:
+                continue
+            with pytest.raises(ValidationError):
+                OmegaConf.update(cfg.copy(), key, bad, merge=True)
+            checked += 1
+    assert checked > 40

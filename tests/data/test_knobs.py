@@ -81,6 +81,20 @@ class Outer:
     seed: int = knob(0, "seed", at_least(0))
     shares: Shares = knob(None, "nested", factory=lambda: Shares(name="x"))
 
+
+@dataclass(frozen=True)
+class FrozenInner:
+    threshold: float = knob(0.3, "a share", probability)
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    count: int = knob(3, "how many", at_least(1))
+    inner: FrozenInner = knob(None, "nested", factory=FrozenInner)
+
     def __post_init__(self):
         check(self)
 
@@ -109,3 +123,21 @@ def test_a_mandatory_value_is_named_when_built():
 def test_knob_table_lists_default_and_help():
     assert knob_table(Shares).splitlines()[2:] == ["| `probs` | `{a:0.5,b:0.5}` | P(kind) |", "| `low` | `1` | low |",
                                                    "| `high` | `2` | high |", "| `name` | required | mandatory |"]
+
+
+def test_a_frozen_schema_takes_yaml_values_and_overrides_but_not_unknown_keys():
+    """register() stores a writable node: a frozen dataclass's own node is read-only, nested ones too."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    from data.knobs import register
+
+    register("knobs_test", Frozen)
+    node = ConfigStore.instance().load("knobs_test/schema.yaml").node
+    merged = OmegaConf.merge(node, {"count": 5})
+    OmegaConf.update(merged, "inner.threshold", 0.5)
+    assert build(merged, Frozen, "t") == Frozen(count=5, inner=FrozenInner(0.5))
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(node, {"colour": 1})
+    with pytest.raises(ValidationError):
+        OmegaConf.update(merged, "inner.threshold", "high")

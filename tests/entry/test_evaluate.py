@@ -112,9 +112,9 @@ def test_kv_pruning_rows(tmp_path, cache):
     assert kv["none"]["kv_budget"] is None and kv["sentinel"]["kv_budget"] == 3000
     # pruning reads less KV; the sentinel layout keeps the prefix cache matching, compaction does not
     assert kv["sentinel"]["kv_tokens_read"] < kv["none"]["kv_tokens_read"]
-    assert kv["sentinel"]["prefix_hit_rate"] > kv["compaction"]["prefix_hit_rate"]
+    assert kv["sentinel"]["reuse_rate"] > kv["compaction"]["reuse_rate"]
     assert all(r["hit_rate"] <= r["bound_hit_rate"] for r in summary["rows"])
-    assert "prefix_hit_rate" in stdout
+    assert "reuse_rate" in stdout and "prefix_hit_rate" not in summary["rows"][0]  # one name for one value
 
 
 def test_rows_carry_the_datasets_own_workload_name(tmp_path):

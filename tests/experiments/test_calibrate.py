@@ -61,6 +61,11 @@ def test_a_parameter_the_run_cannot_see_is_named(tmp_path):
                                         mem_bandwidth=2e10, pcie_bandwidth=1e10)
     assert "bandwidth_efficiency" in report["at_bounds"]
     assert "not identified" in (tmp_path / "preset.yaml").read_text()
+    # the preset reads back through conf/cost_model's schema (CostModel), as evaluate.py reads it
+    from serving_integration.simulator.config import cost_model_preset
+
+    again = cost_model_preset(tmp_path / "preset.yaml")
+    assert again.name == cost.name and again.mfu == pytest.approx(cost.mfu, rel=1e-5)
 
 
 def test_a_fit_stays_under_runs_until_promoted(tmp_path, monkeypatch, capsys):

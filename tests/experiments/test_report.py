@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from data.cli import CONF_DIR
-from serving_integration.experiments.evaluation import POLICIES
+from serving_integration.experiments.config import evaluated_policies
 from tests.conftest import REPO
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -76,11 +76,11 @@ def test_experiment_configs_compose(name):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="evaluate", overrides=[f"experiment={name}"], return_hydra_config=True)
     assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params
-    assert set(cfg.policies) <= set(POLICIES)
+    assert set(cfg.policies) <= set(evaluated_policies())
 
 
 def robust_row(policy, hits, trust="none", predictor="none", top1=None):
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
 
     labels = dict(workload="hover", policy=policy, gpu_tokens=300000, concurrency=32, split="test", horizon=3,
                   gamma=0.5, cost_model="h100", workflows=300, calls=3000, trust=trust, predictor=predictor)

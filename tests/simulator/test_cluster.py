@@ -163,7 +163,7 @@ def test_pbkv_routing_follows_the_cache_and_migrates_off_an_overloaded_replica()
 def test_report_names_the_best_four_replica_combination(tmp_path):
     import json
 
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
     from serving_integration.experiments.report import build
 
     rows = []

@@ -1,0 +1,126 @@
+"""The cache policies' knobs, one dataclass per config group: the one place each default, type,
+range and help line is written. The simulator (evaluate.py's groups `pbkv`, `kvflow`, `tlru`)
+and the SGLang plugin (`server/runtime.py` PluginConfig, which adds its server-only fields to
+these) read the same classes; the policy classes in policies.py take their defaults from them.
+
+Importing this module registers the groups' schemas with Hydra's ConfigStore (`pbkv/schema`, ...):
+conf/pbkv/default.yaml and its siblings start their defaults list with `- schema`, so an unknown
+key or a value of the wrong type fails when Hydra composes the config (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from data.errors import ConfigError
+from data.knobs import above, at_least, at_most, check, each, knob, nonempty, one_of, probability, register, shown, \
+    unique
+
+TRUST_MODES = ("adaptive", "always")
+PREFETCH_MODES = ("none", "conservative", "aggressive")
+NOISE_KINDS = ("uniform", "adversarial")
+
+
+def trust_modes(value) -> str | None:
+    """pbkv.trust: one mode, or a list of modes (evaluate.py runs a pbkv row under each)."""
+    if isinstance(value, str):
+        return one_of(TRUST_MODES)(value)
+    if isinstance(value, (list, tuple)):
+        return nonempty(value) or each(one_of(TRUST_MODES))(value) or unique(value)
+    return f"should be one of {', '.join(TRUST_MODES)}, or a list of them"
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    """PBKV's adaptive trust (policies.TrustMeter): follow the predictions while the moving average
+    of the probability they gave the agent that came next stays above threshold - margin; follow
+    them again once it climbs above threshold + margin."""
+
+    trust: Any = knob("adaptive", "adaptive: lifecycle-aware LRU while the predictions are poor (measured online); "
+                      "always: the paper's policy; evaluate.py takes a list too (a pbkv row each)", trust_modes)
+    trust_threshold: float = knob(0.5, "adaptive: trust while the average stays above threshold - margin",
+                                  probability)
+    trust_margin: float = knob(0.1, "hysteresis: distrust below threshold - margin, trust again above "
+                               "threshold + margin", probability)
+    trust_window: int = knob(32, "calls the moving average spans", at_least(1))
+
+    def __post_init__(self):
+        check(self)
+        low, high = self.trust_threshold - self.trust_margin, self.trust_threshold + self.trust_margin
+        if not 0 <= low <= high <= 1:
+            raise ConfigError(f"trust_threshold={shown(self.trust_threshold)}, trust_margin={shown(self.trust_margin)}: "
+                              "threshold +- margin must lie in [0, 1]")
+
+
+@dataclass(frozen=True)
+class PbkvConfig(TrustConfig):
+    """conf/pbkv: Score(c) = sum_k gamma^(k-1) sum_w s_w^(k) <A_w(c), P_w^(k)> (docs/serving.md)."""
+
+    horizon: int = knob(3, "K: calls of each workflow predicted ahead (a predictor checkpoint's own K must "
+                        "agree with it)", at_least(1))
+    gamma: float = knob(0.5, "discount of step k: gamma^(k-1)", above(0), at_most(1))
+
+    @property
+    def trust_modes(self) -> tuple[str, ...]:
+        """pbkv.trust as a tuple: evaluate.py runs a pbkv row under each mode."""
+        return (self.trust,) if isinstance(self.trust, str) else tuple(self.trust)
+
+    def trust_options(self, mode: str) -> dict:
+        """The policies.PBKV keyword arguments under one trust mode."""
+        return {"trust": mode, "trust_threshold": self.trust_threshold, "trust_margin": self.trust_margin,
+                "trust_window": self.trust_window}
+
+
+@dataclass(frozen=True)
+class KvflowConfig:
+    """conf/kvflow: KVFlow (arXiv 2507.07400), its steps-to-execution order."""
+
+    hold_step: int = knob(3, "steps-to-execution given to agents outside the step graph", at_least(0))
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class TlruConfig:
+    """conf/tlru: SGLang's tail-optimised LRU; with threshold 0 it is LRU."""
+
+    threshold: int = knob(0, "tokens of a branch's TTFT slack: nodes wholly past history + next prompt - "
+                          "threshold are evicted first", at_least(0))
+    next_prompt_estimate: int = knob(0, "tokens the next prompt of a branch is assumed to add", at_least(0))
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class OnlineBackoffConfig:
+    """predictions.OnlineBackoff around a trained predictor: served transitions folded into counts
+    mixed with the model (evaluate's `predictor` group and the plugin)."""
+
+    online_backoff: bool = knob(True, "fold the served transitions into counts mixed with the model")
+    online_beta: float = knob(10.0, "weight of the model as the counts' prior", above(0))
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class NoiseConfig:
+    """predictions.NoisySource: prediction error of a controlled size, for robustness sweeps."""
+
+    noise: float = knob(0.0, "share eps of each prediction replaced by noise", probability)
+    noise_kind: str = knob("uniform", "uniform: (1-eps) P + eps R, R uniform on the simplex (benign); adversarial: "
+                           "eps of the mass moved onto agents NOT called next", one_of(NOISE_KINDS))
+
+    def __post_init__(self):
+        check(self)
+
+
+def register_schemas() -> None:
+    for group, cls in (("pbkv", PbkvConfig), ("kvflow", KvflowConfig), ("tlru", TlruConfig)):
+        register(group, cls)
+
+
+register_schemas()

@@ -1,0 +1,130 @@
+"""The simulator's knobs: the simulated server and cluster (`SimConfig`, conf/sim) and its routers'
+options (`RouterConfig`), each default, type, range and help line written once, here. The cost
+model's fields live with it (cost_model.py `CostModel`, conf/cost_model).
+
+Importing this module registers `sim/schema` and `cost_model/schema` with Hydra's ConfigStore, so an
+unknown key or a wrong type in conf/sim or conf/cost_model fails when Hydra composes the config
+(docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from data.errors import ConfigError
+from data.knobs import above, at_least, build, check, knob, one_of, probability, register
+from serving_integration.simulator.cost_model import CostModel
+
+
+def _routers():
+    from serving_integration.cache.router import ROUTERS
+
+    return ROUTERS
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """sglang-router's cache_aware policy; its defaults are sglang-router's (cache/router.py)."""
+
+    cache_threshold: float = knob(0.3, "route by prefix match when matched / prompt > this", probability)
+    balance_abs_threshold: int = knob(64, "imbalanced when max - min load > this ...", at_least(0))
+    balance_rel_threshold: float = knob(1.5, "... and max > this x min load: then the least loaded worker",
+                                        at_least(1))
+    eviction_interval_s: float = knob(60.0, "the approximate trees are cut back this often (simulated seconds; "
+                                      "0: never)", at_least(0))
+    max_tree_size: int = knob(2**26, "... to this many characters per worker", at_least(1))
+    chars_per_token: float = knob(4.0, "the router counts characters; the simulator counts tokens", above(0))
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class PbkvRoutingConfig:
+    """PBKV routing's load bound: a replica may take a call while
+    load + 1 <= load_factor x (total load + 1) / replicas + load_slack."""
+
+    load_factor: float = knob(1.25, "multiple of the mean load a replica may reach", at_least(1))
+    load_slack: int = knob(1, "requests a replica may hold beyond load_factor x the mean", at_least(1))
+
+    def __post_init__(self):
+        check(self)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Each routing policy's options (the others have none)."""
+
+    cache_aware: CacheAwareConfig = knob(None, "sglang-router's cache_aware policy", factory=CacheAwareConfig)
+    pbkv: PbkvRoutingConfig = knob(None, "PBKV routing", factory=PbkvRoutingConfig)
+
+    def __post_init__(self):
+        check(self)
+
+    def get(self, routing: str, default=None):
+        """The keyword arguments of routing policy `routing` (cache/router.py make_router)."""
+        options = getattr(self, routing, None)
+        return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else default
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """conf/sim: one SGLang server with HiCache, or `replicas` of them behind a router."""
+
+    gpu_tokens: int = knob(300_000, "GPU KV capacity in tokens, the cluster's total with replicas (Qwen3-14B on "
+                           "an 80 GB H100 holds about 240k)", above(0))
+    hicache_ratio: float = knob(2.0, "host KV capacity = ratio x gpu_tokens (SGLang's --hicache-ratio)", at_least(0))
+    page_size: int = knob(1, "KV page size in tokens", at_least(1))
+    concurrency: int = knob(32, "live workflows (closed loop), over the whole cluster", at_least(1))
+    max_prefill_tokens: int = knob(8192, "chunked prefill budget per iteration", at_least(1))
+    max_running_requests: int = knob(256, "requests a server runs at once", at_least(1))
+    predictor_cost_s: float = knob(0.0, "seconds charged to the timeline per batched predictor call", at_least(0))
+    charge_measured_predictor_time: bool = knob(False, "charge the measured wall time instead (not reproducible)")
+    n_workflows: Optional[int] = knob(None, "evaluate.py replays at most this many workflows of the split "
+                                      "(null: all)", at_least(1))
+    replicas: int = knob(1, "servers behind the router; gpu_tokens is split evenly among them", at_least(1))
+    routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
+                        one_of(lambda: _routers()))
+    router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)
+    end_signal_delay_s: Optional[float] = knob(
+        None, "the end signal reaches the cache this long after a workflow's last call (0: with it; null: the "
+        "median tool time of the train split, which evaluate.py fills in; 0 where there is none)", at_least(0))
+    end_signal_loss: float = knob(0.0, "share of end signals lost (seeded): those workflows wait for the timeout",
+                                  probability)
+    inactivity_timeout_s: Optional[float] = knob(
+        None, "retire a workflow silent this long (null: twice the train split's longest tool time, which "
+        "evaluate.py fills in, so that no workflow is retired inside a tool call; never where there is none)",
+        above(0))
+    seed: int = knob(0, "seeds the lost end signals (evaluate.py sets it from seed or seeds)", at_least(0))
+
+    def __post_init__(self):
+        check(self)
+        if self.replicas > 1 and self.routing == "none":
+            names = ", ".join(n for n in _routers() if n != "none")
+            raise ConfigError(f"replicas={self.replicas} needs a routing policy (routing: {names})")
+        # null end-signal settings with no train split to derive them from: the signal comes with
+        # the last call, and no workflow times out
+        if self.end_signal_delay_s is None:
+            object.__setattr__(self, "end_signal_delay_s", 0.0)
+        if self.inactivity_timeout_s is None:
+            object.__setattr__(self, "inactivity_timeout_s", math.inf)
+
+
+def cost_model_preset(path) -> CostModel:
+    """A conf/cost_model preset file read without Hydra (its defaults list aside), as a checked CostModel."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    values.pop("defaults", None)
+    return build(values, CostModel, str(path))
+
+
+def register_schemas() -> None:
+    register("sim", SimConfig)
+    register("cost_model", CostModel)
+
+
+register_schemas()
