@@ -81,6 +81,9 @@ class Outer:
     seed: int = knob(0, "seed", at_least(0))
     shares: Shares = knob(None, "nested", factory=lambda: Shares(name="x"))
 
+    def __post_init__(self):
+        check(self)
+
 
 @dataclass(frozen=True)
 class FrozenInner:
