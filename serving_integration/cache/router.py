@@ -16,7 +16,7 @@ Policies (docs/cluster.md):
                  if matched / prompt > cache_threshold, else the least loaded. Every routed prompt
                  is inserted into its worker's tree; every eviction_interval_s the trees are cut
                  back, least recently used first, to max_tree_size characters (counted here as
-                 tokens x chars_per_token). Defaults are sglang-router's (simulator/config.py CacheAwareConfig).
+                 tokens x chars_per_token). Defaults are sglang-router's (cache/config.py CacheAwareConfig).
     sticky       sglang-router's manual policy keyed by the workflow id (x-smg-routing-key):
                  a new key goes to the least loaded worker (--assignment-mode min_load; the
                  default there is random), and every
@@ -39,7 +39,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from serving_integration.cache.workload import prefix_keys
-from serving_integration.simulator.config import CacheAwareConfig, PbkvRoutingConfig
+from serving_integration.cache.config import CacheAwareConfig, PbkvRoutingConfig
 
 
 def least_loaded(servers: Sequence) -> int:
@@ -165,7 +165,7 @@ class CacheAware(Router):
     name = "cache_aware"
 
     def __init__(self, replicas: int, **options):
-        """`options`: CacheAwareConfig's fields (serving_integration/simulator/config.py), checked there."""
+        """`options`: CacheAwareConfig's fields (serving_integration/cache/config.py), checked there."""
         super().__init__(replicas)
         o = CacheAwareConfig(**options)
         self.cache_threshold = o.cache_threshold
@@ -218,7 +218,7 @@ class PBKVRouting(Router):
     uses_predictions = True
 
     def __init__(self, replicas: int, **options):
-        """`options`: PbkvRoutingConfig's fields (serving_integration/simulator/config.py), checked there
+        """`options`: PbkvRoutingConfig's fields (serving_integration/cache/config.py), checked there
         (load_factor >= 1 and load_slack >= 1, else no replica may fit)."""
         super().__init__(replicas)
         o = PbkvRoutingConfig(**options)

@@ -204,16 +204,15 @@ FITTED_DIR = REPO / "runs" / "calibrate"  # where fits go; conf/cost_model only 
 
 def promote(fitted: str | Path) -> Path:
     """Copy a fitted preset to conf/cost_model/NAME.yaml (atomically), once it builds a CostModel."""
-    import yaml
-    from hydra.utils import instantiate
-
     from data.atomic import atomic_file
-    from serving_integration.simulator.cost_model import CostModel
+    from data.errors import ConfigError
+    from serving_integration.simulator.config import cost_model_preset
 
     text = Path(fitted).read_text()
-    cost = instantiate(yaml.safe_load(text))
-    if not isinstance(cost, CostModel) or not cost.name:
-        raise ValueError(f"{fitted}: not a fitted cost-model preset (no CostModel with a name)")
+    try:  # values only: a preset names no code (cost_model_preset builds CostModel and nothing else)
+        cost = cost_model_preset(fitted)
+    except ConfigError as e:
+        raise ValueError(f"{fitted}: not a fitted cost-model preset ({e})") from None
     target = CONF_DIR / "cost_model" / f"{cost.name}.yaml"
     with atomic_file(target) as tmp:
         tmp.write_text(text)

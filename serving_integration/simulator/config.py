@@ -1,5 +1,6 @@
-"""The simulator's knobs: the simulated server and cluster (`SimConfig`, conf/sim) and its routers'
-options (`RouterConfig`), each default, type, range and help line written once, here. The cost
+"""The simulator's knobs: the simulated server and cluster (`SimConfig`, conf/sim; its routers'
+options are cache/config.py's `RouterConfig`, shared with the client-side router), each default,
+type, range and help line written once, here. The cost
 model's fields live with it (cost_model.py `CostModel`, conf/cost_model).
 
 Importing this module registers `sim/schema` and `cost_model/schema` with Hydra's ConfigStore, so an
@@ -16,6 +17,7 @@ from typing import Optional
 
 from data.errors import ConfigError
 from data.knobs import above, at_least, build, check, knob, one_of, probability, register
+from serving_integration.cache.config import RouterConfig
 from serving_integration.simulator.cost_model import CostModel
 
 
@@ -23,51 +25,6 @@ def _routers():
     from serving_integration.cache.router import ROUTERS
 
     return ROUTERS
-
-
-@dataclass(frozen=True)
-class CacheAwareConfig:
-    """sglang-router's cache_aware policy; its defaults are sglang-router's (cache/router.py)."""
-
-    cache_threshold: float = knob(0.3, "route by prefix match when matched / prompt > this", probability)
-    balance_abs_threshold: int = knob(64, "imbalanced when max - min load > this ...", at_least(0))
-    balance_rel_threshold: float = knob(1.5, "... and max > this x min load: then the least loaded worker",
-                                        at_least(1))
-    eviction_interval_s: float = knob(60.0, "the approximate trees are cut back this often (simulated seconds; "
-                                      "0: never)", at_least(0))
-    max_tree_size: int = knob(2**26, "... to this many characters per worker", at_least(1))
-    chars_per_token: float = knob(4.0, "the router counts characters; the simulator counts tokens", above(0))
-
-    def __post_init__(self):
-        check(self)
-
-
-@dataclass(frozen=True)
-class PbkvRoutingConfig:
-    """PBKV routing's load bound: a replica may take a call while
-    load + 1 <= load_factor x (total load + 1) / replicas + load_slack."""
-
-    load_factor: float = knob(1.25, "multiple of the mean load a replica may reach", at_least(1))
-    load_slack: int = knob(1, "requests a replica may hold beyond load_factor x the mean", at_least(1))
-
-    def __post_init__(self):
-        check(self)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Each routing policy's options (the others have none)."""
-
-    cache_aware: CacheAwareConfig = knob(None, "sglang-router's cache_aware policy", factory=CacheAwareConfig)
-    pbkv: PbkvRoutingConfig = knob(None, "PBKV routing", factory=PbkvRoutingConfig)
-
-    def __post_init__(self):
-        check(self)
-
-    def get(self, routing: str, default=None):
-        """The keyword arguments of routing policy `routing` (cache/router.py make_router)."""
-        options = getattr(self, routing, None)
-        return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else default
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ def test_report_names_the_best_four_replica_combination(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"rows": rows}))
     md = build([str(tmp_path / "run")], tmp_path / "report").read_text()
-    section = md[md.index("## A cluster"):md.index("## Plots")]
+    section = md[md.index("## A cluster"):]
+    section = section[:section.index("\n## ")]  # up to the next section
     assert "best **pbkv + pbkv** at 36.0% GPU hit rate" in section
     assert "x1.80 hit rate, x1.60 latency speed-up over round_robin + lru" in section
     assert "x1.20 hit rate, x1.20 latency speed-up over cache_aware + lru" in section
