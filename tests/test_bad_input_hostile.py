@@ -9,17 +9,36 @@ stays bounded. Each case and its test:
 | plugin: a ledger bound that is not a positive integer | test_the_ledger_bound_must_be_a_positive_integer |
 """
 
+import json
 import math
+import os
+import shutil
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from data import CONF_DIR, store
+from data.errors import run_reported
 from models import load_predictor, save_predictor
 from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+
+
+def one_line(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def compose_evaluate(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=overrides)
 
 
 # -------------------------------------------------------------------- the plugin's runtime (no server)
@@ -91,3 +110,127 @@ def test_never_ended_workflows_leave_the_ledger_at_its_bound():
 def test_the_ledger_bound_must_be_a_positive_integer(bound):
     with pytest.raises(ValueError, match="max_live_workflows must be an integer >= 1"):
         PluginConfig(max_live_workflows=bound)
+
+
+# -------------------------------------------------------------------- datasets: values only, checked tables
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, hover_small):
+    return store.save(store.build(hover_small), tmp_path_factory.mktemp("stored") / "ds")
+
+
+@pytest.fixture
+def dataset(stored, tmp_path):
+    """A writable copy of a dataset written by the current code."""
+    return Path(shutil.copytree(stored, tmp_path / "ds"))
+
+
+def with_meta(dataset, **changes):
+    meta = json.loads((dataset / "meta.json").read_text())
+    meta.update(changes)
+    (dataset / "meta.json").write_text(json.dumps(meta))
+    return dataset
+
+
+def seeded_config(dataset, tmp_path):
+    return OmegaConf.create({"name": "crafted", "path": str(dataset), "cache_dir": str(tmp_path / "cache"),
+                             "source": None, "split": {"val": 0.1, "test": 0.1, "seed": 0}})
+
+
+def callables(marker):
+    """Recipes that would run a callable creating `marker`, in both layouts meta.json has had."""
+    split = {"val": 0.1, "test": 0.1, "seed": 0}
+    calls = {"builtins.open": {"file": str(marker), "mode": "w"},
+             "shutil.copyfile": {"src": __file__, "dst": str(marker)},
+             "os.makedirs": {"name": str(marker)}}
+    for target, args in calls.items():
+        yield {"source": {"_target_": target, **args, "seed": 0}, "split": split}  # Hydra's layout
+        yield {"source": {"_target_": "data.generators.generate", "n_workflows": 5, "seed": 0,
+                          "workload": {"_target_": target, **args}}, "split": split}
+        yield {"kind": "generated", "workload": "hover", "n_workflows": 5, "seed": 0, "split": split,
+               "parameters": {"passage_tokens": {"_target_": target, **args}}}
+        yield {"kind": "generated", "workload": target, "n_workflows": 5, "seed": 0, "split": split,
+               "parameters": args}
+
+
+def test_a_crafted_recipe_runs_nothing(dataset, tmp_path):
+    marker = tmp_path / "marker"
+    for recipe in callables(marker):
+        with_meta(dataset, recipe=recipe)
+        with pytest.raises(ValueError) as e:
+            store.resolve_seeded(seeded_config(dataset, tmp_path), seed=1)
+        assert str(dataset / "meta.json") in str(e.value) and "\n" not in str(e.value), e.value
+        assert not marker.exists(), recipe
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_crafted_recipe_through_evaluate_exits_1_in_one_line(dataset, tmp_path, capsys):
+    import evaluate
+
+    marker = tmp_path / "marker"
+    with_meta(dataset, recipe=next(callables(marker)))
+    cfg = compose_evaluate([f"data.path={dataset}", "seeds=[0,1]", "policies=[lru]", "wandb=disabled"])
+    assert run_reported(evaluate.run, cfg, tmp_path / "run") == 1
+    assert "meta.json: field 'recipe'" in one_line(capsys)
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_an_earlier_plain_recipe_still_recreates_the_dataset(dataset, tmp_path):
+    """meta.json as the code before wrote it (Hydra's config, the registry's own targets) still loads."""
+    with_meta(dataset, recipe={"source": {"_target_": "data.generators.generate", "n_workflows": 6, "seed": 3,
+                                          "workload": {"_target_": "data.generators.Hover", "passage_tokens": 24}},
+                               "split": {"val": 0.2, "test": 0.2, "seed": 0}})
+    again = store.resolve_seeded(seeded_config(dataset, tmp_path), seed=4)
+    assert again.meta["seed"] == 4 and again.n_workflows == 6
+    assert again.meta["recipe"] == {"kind": "generated", "workload": "hover", "parameters": {"passage_tokens": 24},
+                                    "n_workflows": 6, "seed": 4, "split": {"val": 0.2, "test": 0.2, "seed": 0}}
+
+
+def test_the_data_config_records_its_recipe_as_plain_values(tmp_path):
+    from data.generators import WORKLOADS
+
+    recipe = store.plain_recipe({"_target_": "data.generators.generate", "n_workflows": 5, "seed": 2,
+                                 "workload": {"_target_": "data.generators.SweBench", "cue_noise": 0.2}},
+                                {"val": 0.1, "test": 0.1, "seed": 0})
+    assert recipe["workload"] == "swebench" and recipe["parameters"] == {"cue_noise": 0.2}
+    assert "_target_" not in json.dumps(recipe) and recipe["workload"] in WORKLOADS
+    with pytest.raises(ValueError, match="not a parameter of hover"):
+        store.checked_recipe({"recipe": {**recipe, "workload": "hover", "parameters": {"nosuch": 1}}}, "meta.json")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "meta.json").write_text("{not json"), "meta.json: corrupt meta.json"),
+    (lambda d: (d / "meta.json").write_text("[" * 100_000 + "]" * 100_000), "meta.json: JSON nested too deeply"),
+    (lambda d: (d / "meta.json").write_text("[1, 2]"), "meta.json: expected a JSON object"),
+    (lambda d: with_meta(d, splits={"train": {"workflows": -1, "calls": 3}}), "field 'splits.train'"),
+    (lambda d: with_meta(d, split="random"), "field 'split'"),
+    (lambda d: with_meta(d, recipe=[1]), "field 'recipe': expected an object"),
+    (lambda d: rewrite_table(d, "calls/train", lambda t: t.remove_columns("output_tokens")),
+     "missing column(s) output_tokens"),
+    (lambda d: rewrite_table(d, "calls/train", lambda t: t.map(lambda r: {"output_tokens": -5})),
+     "field 'output_tokens': -5 in row 0; token counts are >= 0"),
+    (lambda d: rewrite_table(d, "calls/test", lambda t: t.map(
+        lambda r: {"prompt_segment_tokens": [-1] + r["prompt_segment_tokens"][1:]})),
+     "field 'prompt_segment_tokens': -1 in row 0"),
+    (lambda d: rewrite_table(d, "segments", lambda t: t.map(lambda r: {"tokens": -7})), "field 'tokens': -7"),
+    (lambda d: rewrite_table(d, "calls/train", lambda t: t.map(lambda r, i: {"step": 5 if i == 1 else r["step"]},
+                                                               with_indices=True)),
+     "field 'step': workflow"),
+    (lambda d: shutil.rmtree(d / "calls" / "val"), "calls/val: not a readable table"),
+])
+def test_a_damaged_dataset_is_one_line_naming_its_file(dataset, capsys, damage, message):
+    damage(dataset)
+    with pytest.raises(ValueError) as e:
+        store.load(dataset)
+    assert message in str(e.value) and "\n" not in str(e.value) and str(dataset) in str(e.value), e.value
+
+
+def rewrite_table(dataset, name, change):
+    from datasets import load_from_disk
+
+    folder = dataset / name
+    table = change(load_from_disk(str(folder)))
+    table.save_to_disk(str(folder) + ".new")
+    shutil.rmtree(folder)
+    os.rename(str(folder) + ".new", folder)
