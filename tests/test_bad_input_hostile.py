@@ -234,3 +234,59 @@ def rewrite_table(dataset, name, change):
     table.save_to_disk(str(folder) + ".new")
     shutil.rmtree(folder)
     os.rename(str(folder) + ".new", folder)
+
+
+# -------------------------------------------------------------------- presets and results plans: values only
+
+
+def test_a_preset_naming_a_callable_builds_nothing(tmp_path, monkeypatch):
+    from serving_integration.experiments import validate_sim
+    from serving_integration.experiments.evaluation import cost_model_from_config
+    from serving_integration.simulator.cost_model import read_preset
+
+    marker = tmp_path / "marker"
+    presets = tmp_path / "conf" / "cost_model"
+    presets.mkdir(parents=True)
+    crafted = {"builtins.open": {"file": str(marker), "mode": "w"},
+               "shutil.copyfile": {"src": __file__, "dst": str(marker)}, "os.makedirs": {"name": str(marker)}}
+    for target, args in crafted.items():
+        (presets / "cpu-tiny-llama.yaml").write_text(json.dumps({"_target_": target, **args}))
+        monkeypatch.setattr(validate_sim, "CONF_DIR", tmp_path / "conf")
+        with pytest.raises(ValueError, match=f"_target_={target}: a cost-model preset builds"):
+            validate_sim.cpu_cost_model()
+        with pytest.raises(ValueError, match=f"cost_model: _target_={target}"):
+            cost_model_from_config(OmegaConf.create({"_target_": target, **args}))
+    good = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cost_model" / "qwen3-14b-h100.yaml"),
+                                                        resolve=True)))
+    for name, value in {"mfu": {"_target_": "os.makedirs", "name": str(marker)}, "nosuch": 1}.items():
+        (presets / "p.yaml").write_text(json.dumps({**good, name: value}))
+        with pytest.raises(ValueError, match=f"p.yaml: {name}"):
+            read_preset(presets / "p.yaml")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command, reason", [
+    ("-c \"open('MARKER', 'w')\"", "-c: a plan runs train.py, evaluate.py or -m MODULE"),
+    ("-m shutil MARKER", "-m shutil: a plan runs only the project's modules"),
+    ("train.py +hydra.callbacks.x._target_=builtins.open +hydra.callbacks.x.file=MARKER", "names code"),
+    ("evaluate.py cost_model._target_=os.makedirs +cost_model.name=MARKER", "names code"),
+    ("train.py model.predictor._target_=shutil.copyfile", "names code"),
+    ("evaluate.py --config-dir=/tmp/elsewhere", "names code or configs from elsewhere"),
+    ("evaluate.py hydra.searchpath=[file:///tmp]", "names code or configs from elsewhere"),
+])
+def test_a_plan_naming_code_runs_nothing(tmp_path, command, reason):
+    from serving_integration.experiments import results
+
+    marker = tmp_path / "marker"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({"steps": [{"name": "x", "kind": "data", "command": command.replace("MARKER", str(marker))}]}))
+    with pytest.raises(ValueError) as e:
+        results.run_steps(results.load_plan(plan), tmp_path / "runs")
+    assert reason in str(e.value) and str(plan) in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists() and not (tmp_path / "runs").exists()
+
+
+def test_the_committed_plan_is_values_only():
+    from serving_integration.experiments.results import load_plan
+
+    assert len(load_plan(CONF_DIR / "results.yaml")) > 10

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
@@ -238,11 +237,19 @@ def policy_runs(policies, prefetch_modes, knobs: PolicyKnobs, replay: Replay, le
             yield name, "none", "none", dict(policy=name, policy_options=knobs.tlru if name == "tlru" else {})
 
 
+def cost_model_from_config(group: DictConfig):
+    """The `cost_model` group as values (serving_integration.simulator.cost_model.from_preset): a
+    preset file naming any other callable than CostModel builds nothing."""
+    from serving_integration.simulator.cost_model import from_preset
+
+    return from_preset(OmegaConf.to_container(group, resolve=True), "cost_model")
+
+
 def evaluate(cfg: DictConfig, run_dir: Path) -> dict:
     """Run every requested policy (and the KV-pruning rows) on one workload, once per seed of
     `seeds` (or once with `seed`); write summary.json. The config is read here, once: what the
     runs need is handed down as objects."""
-    knobs, spec, cost = PolicyKnobs.from_config(cfg), PredictorSpec.from_config(cfg), instantiate(cfg.cost_model)
+    knobs, spec, cost = PolicyKnobs.from_config(cfg), PredictorSpec.from_config(cfg), cost_model_from_config(cfg.cost_model)
 
     def replay_seed(ds, seed: int):
         replay = Replay.from_dataset(ds, cfg.split, cfg.sim.n_workflows, knobs.horizon)

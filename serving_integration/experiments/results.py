@@ -26,6 +26,7 @@ import yaml
 
 from data import REPO
 from data.atomic import atomic_file, write_json
+from serving_integration.experiments.plan_check import check_command
 
 KINDS = ("data", "train", "evaluate", "server")
 
@@ -38,6 +39,8 @@ def load_plan(path: Path) -> list[dict]:
         if step.get("kind") not in KINDS or not step.get("name") or not command or not commands_ok:
             raise ValueError(f"{path}: step {step!r} needs a name, a kind in {KINDS} and a command "
                              "(or a list of commands)")
+        for command in (command if isinstance(command, list) else [command]):
+            check_command(command, f"{path}: step {step['name']}")
     return steps
 
 

@@ -131,12 +131,10 @@ def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_siz
 
 
 def cpu_cost_model():
-    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
-    import yaml
-    from hydra.utils import instantiate
+    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate), read as values."""
+    from serving_integration.simulator.cost_model import read_preset
 
-    path = CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml"
-    return instantiate(yaml.safe_load(path.read_text()))
+    return read_preset(CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml")
 
 
 def sped_up(cost, speedup: float):

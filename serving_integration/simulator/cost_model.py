@@ -18,7 +18,11 @@ dense bf16 tensor, 768 GB/s GDDR6, PCIe 4.0 x16 32 GB/s (NVIDIA RTX A6000 datash
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Mapping
+
+TARGET = "serving_integration.simulator.cost_model.CostModel"  # the one `_target_` a preset may name
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,41 @@ class CostModel:
 
     def pcie_tokens(self, seconds: float) -> int:
         return int(seconds * self.pcie_bandwidth * self.pcie_efficiency / self.kv_bytes_per_token)
+
+
+def from_preset(preset: Mapping[str, Any], where: str) -> CostModel:
+    """A cost model from a preset's values (conf/cost_model/*.yaml, or the file calibrate wrote):
+    its `_target_` may only name CostModel itself, every other key is one of CostModel's fields with
+    a number (or the name), and nothing read from the file is ever called."""
+    values = dict(preset)
+    target = values.pop("_target_", TARGET)
+    if target != TARGET:
+        raise ValueError(f"{where}: _target_={target}: a cost-model preset builds {TARGET} only")
+    fields = {f.name: f.type for f in dataclasses.fields(CostModel)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"{where}: {key} is not a CostModel field ({', '.join(fields)})")
+        wanted = str if key == "name" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise ValueError(f"{where}: {key}={value!r} is not a {'string' if key == 'name' else 'number'}")
+    missing = [name for name, f in ((f.name, f) for f in dataclasses.fields(CostModel))
+               if f.default is dataclasses.MISSING and name not in values]
+    if missing:
+        raise ValueError(f"{where}: missing CostModel field(s) {', '.join(missing)}")
+    return CostModel(**values)
+
+
+def read_preset(path) -> CostModel:
+    """A preset YAML file, read as values (yaml.safe_load) and built by `from_preset`."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    try:
+        preset = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: not a readable cost-model preset ({(str(e).splitlines() or [''])[0]})") from None
+    if not isinstance(preset, dict):
+        raise ValueError(f"{path}: a cost-model preset is a mapping of CostModel fields")
+    return from_preset(preset, str(path))
