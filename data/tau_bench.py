@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data.errors import Issue, TraceValidationError
-from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces
+from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces, read_source
 from data.schema import Traces
 from data.tokenizer import TokenCounter
 
@@ -177,12 +177,12 @@ def run_to_chat_calls(run: _Run) -> list[ChatCall]:
 
 def _load_list(src: Path) -> list:
     file = str(src)
-    try:
-        raw = src.read_bytes()
-    except OSError as e:
-        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror}")]) from e
+    raw = read_source(src)
     try:
         runs = json.loads(raw)
+    except RecursionError:
+        raise TraceValidationError([Issue(file, None, "", "JSON nested deeper than Python's recursion "
+                                                         "limit; not a trajectories file")]) from None
     except UnicodeDecodeError as e:
         raise TraceValidationError([Issue(file, None, "", f"invalid UTF-8 (byte {e.start})")]) from e
     except json.JSONDecodeError as e:

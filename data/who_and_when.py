@@ -18,13 +18,14 @@ chat format's.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data.errors import Issue, TraceValidationError
-from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces
+from data.formats import ChatCall, ChatMessage, _issues_from, chat_to_traces, read_source
 from data.schema import Traces
 from data.tokenizer import TokenCounter
 
@@ -80,18 +81,33 @@ def _numeric_order(path: Path):
     return (0, int(path.stem)) if path.stem.isdigit() else (1, path.stem)
 
 
+def subset_files(folder: Path) -> list[Path]:
+    """The run files of one subset folder, all or none: a folder that cannot be listed (no
+    permission, a symlink loop, not a folder) fails the whole import naming it."""
+    try:
+        folder.resolve(strict=True)  # a symlink to itself: ELOOP (RuntimeError before Python 3.13)
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if e.name.endswith(".json")]
+    except (OSError, RuntimeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise TraceValidationError([Issue(str(folder), None, "", f"cannot read this subset: {reason}")]) from None
+    return sorted((folder / n for n in names), key=_numeric_order)
+
+
 def read_who_and_when(src: str | Path, counter: TokenCounter | None = None,
                       skip_bad_lines: bool = False) -> Traces:
+    """Every run of every subset present, or an error: an unreadable subset or run file fails the
+    import with its path (skip_bad_lines skips invalid runs, never unreadable ones)."""
     src = Path(src)
-    subsets = [d for d in SUBSETS if (src / d).is_dir()]
+    subsets = [d for d in SUBSETS if os.path.lexists(src / d)]
     if not subsets:
         raise TraceValidationError([Issue(str(src), None, "", f"no {' or '.join(SUBSETS)} folder here")])
     issues: list[Issue] = []
     records: list[tuple[int | None, ChatCall]] = []
     for subset in subsets:
-        for path in sorted((src / subset).glob("*.json"), key=_numeric_order):
-            try:
-                run = _Run.model_validate_json(path.read_bytes())
+        for path in subset_files(src / subset):
+            try:  # pydantic's parser bounds the nesting itself (json_invalid: recursion limit exceeded)
+                run = _Run.model_validate_json(read_source(path))
             except ValidationError as e:
                 issues.extend(_issues_from(e, str(path), None))
                 continue

@@ -28,6 +28,7 @@ from models import load_predictor, save_predictor
 from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+from tests.test_formats import chat_line
 
 
 def one_line(capsys):
@@ -290,3 +291,107 @@ def test_the_committed_plan_is_values_only():
     from serving_integration.experiments.results import load_plan
 
     assert len(load_plan(CONF_DIR / "results.yaml")) > 10
+
+
+# -------------------------------------------------------------------- loaders: all or nothing, bounded
+
+
+def imported(capsys, src, out, fmt):
+    """import_traces' exit status and its stderr (no traceback)."""
+    from data import import_traces
+
+    status = import_traces.main([f"format={fmt}", f"src={src}", f"out={out}"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return status, err
+
+
+@pytest.fixture
+def who_and_when_copy(tmp_path):
+    from tests.conftest import WHO_AND_WHEN
+
+    src = tmp_path / "who_and_when"
+    for subset in ("Algorithm-Generated", "Hand-Crafted"):
+        (src / subset).mkdir(parents=True)
+        for path in sorted((WHO_AND_WHEN / subset).glob("*.json"))[:3]:
+            shutil.copy(path, src / subset / path.name)
+    return src
+
+
+def test_an_unreadable_subset_fails_the_whole_import(who_and_when_copy, tmp_path, capsys, monkeypatch):
+    """Permission denied on one subset folder, then on one run file (raised where the system call
+    is, so that the test also holds when run as root, who reads anything)."""
+    import data.formats
+    import data.who_and_when
+
+    subset = who_and_when_copy / "Hand-Crafted"
+    one_file = sorted((who_and_when_copy / "Algorithm-Generated").iterdir())[1]
+
+    def denied(real, path):
+        def call(*args, **kwargs):
+            if Path(args[0]) == path:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(data.who_and_when.os, "scandir", denied(os.scandir, subset))
+    status, err = imported(capsys, who_and_when_copy, tmp_path / "out", "who_and_when")
+    assert status == 1 and f"{subset}: cannot read this subset: Permission denied" in err
+    monkeypatch.undo()
+    monkeypatch.setattr(data.formats.os, "open", denied(os.open, one_file))
+    status, err = imported(capsys, who_and_when_copy, tmp_path / "out", "who_and_when")
+    assert status == 1 and f"{one_file}: cannot read: Permission denied" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_subset_that_links_to_itself_is_refused(who_and_when_copy, tmp_path, capsys):
+    shutil.rmtree(who_and_when_copy / "Hand-Crafted")
+    (who_and_when_copy / "Hand-Crafted").symlink_to(who_and_when_copy / "Hand-Crafted")
+    status, err = imported(capsys, who_and_when_copy, tmp_path / "out", "who_and_when")
+    assert status == 1 and f"{who_and_when_copy / 'Hand-Crafted'}: cannot read this subset" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket", "symlink loop"])
+def test_a_source_that_is_not_a_regular_file_is_refused(tmp_path, capsys, kind):
+    import socket
+
+    src = tmp_path / "src.jsonl"
+    if kind == "fifo":
+        os.mkfifo(src)  # no writer: reading it would block forever
+    elif kind == "device":
+        src = Path("/dev/zero")  # never ends
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(src))
+    else:
+        src.symlink_to(src)
+    status, err = imported(capsys, src, tmp_path / "out", "chat")
+    assert status in (1, 2) and str(src) in err, err
+    assert {"fifo": ["is a FIFO"], "device": ["is a device"], "socket": ["is a socket", "No such device"],
+            "symlink loop": ["no such file"]}[kind][-1] in err  # a loop never resolves: the config check refuses it
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_nested_beyond_the_recursion_limit_is_an_issue(tmp_path, capsys):
+    src = tmp_path / "tau.json"
+    src.write_text("[" * 100_000 + "]" * 100_000)
+    status, err = imported(capsys, src, tmp_path / "out", "tau_bench")
+    assert status == 1 and f"{src}: JSON nested deeper than Python's recursion limit" in err
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(chat_line(extra="DEEP").replace('"DEEP"', "[" * 100_000 + "]" * 100_000) + "\n")
+    status, err = imported(capsys, chat, tmp_path / "out", "chat")
+    assert status == 1 and f"{chat}:1:" in err and "recursion limit exceeded" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_chat_lines_where_only_some_carry_a_step_are_refused(tmp_path, capsys):
+    src = tmp_path / "chat.jsonl"
+    src.write_text("\n".join([chat_line(step=5), chat_line(), chat_line()]) + "\n")
+    status, err = imported(capsys, src, tmp_path / "out", "chat")
+    assert status == 1 and f"{src}:2: field 'step': workflow 't1' gives a step on some lines" in err
+    assert not (tmp_path / "out").exists()
+    src.write_text("\n".join([chat_line(step=5), chat_line(step=1), chat_line(step=2)]) + "\n")
+    assert imported(capsys, src, tmp_path / "out", "chat")[0] == 0  # all given: ordered by step
+    assert store.load(tmp_path / "out").rows()[0]["step"] in (1, 2, 5)
+    assert [r["step"] for r in store.load(tmp_path / "out").rows()] == sorted(
+        r["step"] for r in store.load(tmp_path / "out").rows())
