@@ -23,11 +23,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from data import CONF_DIR, store
+from data.atomic import MARKER
 from data.errors import run_reported
 from models import load_predictor, save_predictor
 from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+from tests.conftest import REPO
 from tests.test_formats import chat_line
 
 
@@ -395,3 +397,195 @@ def test_chat_lines_where_only_some_carry_a_step_are_refused(tmp_path, capsys):
     assert store.load(tmp_path / "out").rows()[0]["step"] in (1, 2, 5)
     assert [r["step"] for r in store.load(tmp_path / "out").rows()] == sorted(
         r["step"] for r in store.load(tmp_path / "out").rows())
+
+
+# -------------------------------------------------------------------- a kill at every rename keeps an output
+
+
+def killed_at_every_rename(command, state):
+    """Run `command` (tests.killpoints) killed before its 1st, 2nd, ... rename until it completes;
+    after each kill `state()` must find a complete output (it returns which one). Returns the
+    states seen, the last one the completed run's."""
+    import subprocess
+    import sys
+
+    from tests.killpoints import KILLED
+
+    seen, kill_at = [], 1
+    while True:
+        done = subprocess.run([sys.executable, "-m", "tests.killpoints", str(kill_at), *map(str, command)],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+        seen.append(state())
+        if done.returncode != KILLED:
+            assert done.returncode == 0, done.stderr[-2000:]
+            return seen
+        kill_at += 1
+
+
+def siblings(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+def test_data_generate_killed_at_every_rename_keeps_the_old_or_the_new_dataset(tmp_path):
+    out = tmp_path / "ds"
+    args = ["-m", "data.generate", "workload=hover", "seed=0", f"out={out}", "overwrite=true",
+            "workload.passage_tokens=24"]
+    killed_at_every_rename([*args, "n_workflows=5"], lambda: None)
+    seen = killed_at_every_rename([*args, "n_workflows=6"], lambda: store.load(out).n_workflows)
+    assert set(seen[:-1]) <= {5, 6} and seen[0] == 5 and seen[-1] == 6 and len(seen) >= 2
+    assert siblings(out) == []  # the completed run cleaned what the killed ones left
+
+
+def test_train_killed_at_every_rename_keeps_one_whole_run(tmp_path):
+    """The run folder's config, checkpoint and metrics are always of one run (seed 0 or seed 1)."""
+    from models import read_checkpoint
+
+    run = tmp_path / "run"
+    args = ["train.py", "debug=train", "model=markov", f"hydra.run.dir={run}",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.source.n_workflows=20"]
+
+    def state():
+        config = OmegaConf.load(run / ".hydra" / "config.yaml")
+        checkpoint = read_checkpoint(run / "predictor.pt")
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert checkpoint["config"]["seed"] == config.seed and Path(metrics["checkpoint"]) == run / "predictor.pt"
+        assert (run / "train.log").is_file()
+        return config.seed
+    killed_at_every_rename([*args, "seed=0"], lambda: None)
+    seen = killed_at_every_rename([*args, "seed=1"], state)
+    assert seen[0] == 0 and seen[-1] == 1 and set(seen) == {0, 1}
+    assert siblings(run) == []
+
+
+def test_evaluate_killed_at_every_rename_never_mixes_two_runs(tmp_path):
+    run = tmp_path / "run"
+    args = ["evaluate.py", "debug=evaluate", "policies=[lru]", "prefetch=[none]", f"hydra.run.dir={run}",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.source.n_workflows=12"]
+    plots = {}
+
+    def state():
+        summary = json.loads((run / "summary.json").read_text())
+        gpu = summary["config"]["sim"]["gpu_tokens"]
+        assert OmegaConf.load(run / ".hydra" / "config.yaml").sim.gpu_tokens == gpu
+        images = {name: (run / name).read_bytes() for name in ("hit_rate.png", "latency.png")}
+        assert plots.setdefault(gpu, images) == images  # the PNGs are this summary's
+        return gpu
+    killed_at_every_rename([*args, "sim.gpu_tokens=40000"], state)
+    seen = killed_at_every_rename([*args, "sim.gpu_tokens=80000"], state)
+    assert seen[0] == 40000 and seen[-1] == 80000
+    assert siblings(run) == []
+
+
+def test_report_and_results_killed_at_every_rename_keep_a_whole_output(tmp_path):
+    import evaluate as evaluate_py
+    from data.cli import compose_config
+
+    runs = tmp_path / "runs"
+    for name, gpu in (("a", 40000), ("b", 80000)):
+        cfg = compose_config("evaluate", [f"data.cache_dir={tmp_path / 'cache'}", "data.source.n_workflows=12",
+                                          "split=all", "policies=[lru]", "prefetch=[none]", "wandb.enabled=false",
+                                          f"sim.gpu_tokens={gpu}", "sim.concurrency=4"])
+        evaluate_py.run(cfg, runs / "evaluate" / name)
+    out = tmp_path / "report"
+    report = ["-m", "serving_integration.experiments.report", "--out", out]
+    killed_at_every_rename([*report, runs / "evaluate" / "a"], lambda: None)
+    text = lambda: (out / "report.md").read_text().count("| lru")  # noqa: E731
+    before = text()
+    seen = killed_at_every_rename([*report, runs / "evaluate" / "a", runs / "evaluate" / "b"],
+                                  lambda: (text(), (out / MARKER).is_file()))
+    assert seen[0] == (before, True) and seen[-1][0] > before and all(marked for _, marked in seen)
+    assert siblings(out) == []
+
+    plan, page = tmp_path / "plan.yaml", tmp_path / "results.md"
+    (runs / "steps.json").write_text(json.dumps({}))
+    results = ["-m", "serving_integration.experiments.results", "--plan", plan, "--runs", runs, "--out", page,
+               "--render-only"]
+    step = {"name": "a", "kind": "evaluate", "title": "A", "command": "evaluate.py"}
+    plan.write_text(json.dumps({"steps": [step]}))
+    killed_at_every_rename(results, lambda: None)
+    old = page.read_text()
+    plan.write_text(json.dumps({"steps": [step, {**step, "name": "b", "title": "B"}]}))
+    seen = killed_at_every_rename(results, lambda: page.read_text())
+    new = page.read_text()
+    assert new != old and set(seen) <= {old, new} and seen[0] == old
+    assert siblings(page) == []
+
+
+# -------------------------------------------------------------------- outputs only where the command may write
+
+
+def listing(root):
+    return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))
+
+
+def compose_train(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+def test_a_run_dir_holding_what_the_command_did_not_write_is_refused(tmp_path, capsys, monkeypatch, entry):
+    import evaluate
+    import train
+
+    module = {"train": train, "evaluate": evaluate}[entry]
+    cfg = (compose_train if entry == "train" else compose_evaluate)([f"data.cache_dir={tmp_path / 'cache'}"])
+    monkeypatch.setattr(module, entry, lambda *a, **k: pytest.fail("the work ran"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    for run_dir, message in ((mine, "did not make (it has no .pbkv-output marker)"),
+                             (REPO, "is or holds the repository root"), (REPO.parent, "is or holds the repository root")):
+        assert run_reported(module.run, cfg, run_dir) == 1
+        assert message in one_line(capsys)
+    assert listing(mine) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "../../escaped.pt", "sub/predictor.pt", ".hidden.pt", "x.pt/"])
+def test_checkpoint_name_is_a_file_name(tmp_path, capsys, name):
+    import train
+
+    cfg = compose_train([f"checkpoint_name={name}", f"data.cache_dir={tmp_path / 'cache'}"])
+    status = run_reported(train.run, cfg, tmp_path / "run")
+    assert status == 2 and f"checkpoint_name={name}: should be a file name ending in .pt" in one_line(capsys)
+    assert listing(tmp_path) == []
+
+
+def test_a_run_dir_on_the_input_dataset_is_refused_before_hydra_writes(dataset, tmp_path):
+    """Through the real entry point: Hydra writes no .hydra/ and no log into the dataset."""
+    import subprocess
+    import sys
+
+    before = listing(dataset)
+    done = subprocess.run([sys.executable, "evaluate.py", f"data.path={dataset}", f"hydra.run.dir={dataset}",
+                           "policies=[lru]", "wandb=disabled"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and f"output {dataset} is also an input" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert listing(dataset) == before
+
+
+def test_argparse_commands_never_write_over_their_inputs(dataset, tmp_path, capsys):
+    from serving_integration.experiments import calibrate, results, validate_sim
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "summary.json").write_text(json.dumps({"real": []}))
+    for out, message in ((dataset, "is also an input"), (earlier, "holds the input")):
+        assert validate_sim.main(["--data", str(dataset), "--real-from", str(earlier / "summary.json"),
+                                  "--out", str(out)]) == 1
+        assert message in one_line(capsys)
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("{}\n")
+    assert calibrate.main(["--calls", str(calls), "--out", str(calls)]) == 2
+    assert "is also an input" in one_line(capsys)
+    assert calibrate.main(["--calls", str(calls), "--name", "../../x"]) == 2
+    assert "--name ../../x: a preset name" in one_line(capsys)
+    plan, runs = tmp_path / "plan.yaml", tmp_path / "runs"
+    plan.write_text(json.dumps({"steps": []}))
+    runs.mkdir()
+    (runs / "steps.json").write_text("{}")
+    for out in (plan, runs / "steps.json"):
+        assert results.main(["--plan", str(plan), "--runs", str(runs), "--out", str(out), "--render-only"]) == 1
+        assert "is also an input" in one_line(capsys)
+    assert calls.read_text() == "{}\n" and plan.read_text() == '{"steps": []}' and (runs / "steps.json").read_text() == "{}"
+    assert listing(earlier) == ["summary.json"] and not (REPO / "x.yaml").exists()

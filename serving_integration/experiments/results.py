@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from data import REPO
-from data.atomic import atomic_file, write_json
+from data.atomic import atomic_file, check_command_output, write_json
 from serving_integration.experiments.plan_check import check_command
 
 KINDS = ("data", "train", "evaluate", "server")
@@ -159,8 +159,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", help="run only these steps (the page is still built from all)")
     parser.add_argument("--render-only", action="store_true", help="run nothing; build the page from the runs")
     args = parser.parse_args(argv)
-    steps = load_plan(args.plan)
     runs = args.runs.resolve()
+    try:  # the page never replaces what it reads; a plan is checked before any step runs
+        check_command_output(args.out, [args.plan, runs / "steps.json"])
+        steps = load_plan(args.plan)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not args.render_only:
         chosen = [s for s in steps if not args.only or s["name"] in args.only]
         run_steps(chosen, runs)

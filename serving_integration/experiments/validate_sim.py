@@ -326,6 +326,13 @@ def main(argv=None) -> int:
     if unsupported:
         print(f"error: validate_sim runs lru, lfu, pbkv_lae and pbkv; not {unsupported}", file=sys.stderr)
         return 2
+    from data.atomic import OutputError, check_command_output
+
+    try:  # before any work: never over the dataset, the checkpoint or the run compared with
+        check_command_output(args.out, [args.data, args.checkpoint, args.real_from])
+    except OutputError as e:
+        print(f"error: --out: {e}", file=sys.stderr)
+        return 1
     ds = store.load(args.data)
     rows = ds.rows(None if args.split == "all" else args.split)
     workflows = replay_workflows(rows)[: args.n_workflows or None]
