@@ -1,9 +1,31 @@
 """Hostile inputs and killed writers: a file the project reads names no code, a kill never loses the
-last output, a loader is all-or-nothing and bounded, the plugin's state survives one bad round and
-stays bounded. Each case and its test:
+last output, an output goes only where the command may write, a loader is all-or-nothing and
+bounded, the plugin's state survives one bad round and stays bounded. Bad settings exit 2 and bad
+data or a refused output exit 1, in one line (a trace file's issues: one line each, documented),
+writing nothing and leaving the previous output intact. Each case and its test:
 
 | case | test |
 |---|---|
+| meta.json recipe naming builtins.open / shutil.copyfile / os.makedirs (either layout, as workload or parameter) | test_a_crafted_recipe_runs_nothing |
+| the same through `evaluate.py data.path=DS seeds=[0,1]` | test_a_crafted_recipe_through_evaluate_exits_1_in_one_line |
+| meta.json written by the earlier code still re-creates its dataset | test_an_earlier_plain_recipe_still_recreates_the_dataset |
+| a `data` config records its recipe as registry name + parameters | test_the_data_config_records_its_recipe_as_plain_values |
+| cost-model preset naming a callable (validate_sim, calibrate's presets, evaluate's group) | test_a_preset_naming_a_callable_builds_nothing |
+| results plan running other code (-c, -m shutil, _target_, hydra.callbacks, --config-dir) | test_a_plan_naming_code_runs_nothing, test_the_committed_plan_is_values_only |
+| malformed / too deep / non-object meta.json, bad split sizes, a table missing a column, negative token counts, steps out of order, an unreadable table | test_a_damaged_dataset_is_one_line_naming_its_file |
+| data.generate killed before each rename | test_data_generate_killed_at_every_rename_keeps_the_old_or_the_new_dataset |
+| train.py killed before each rename (config, checkpoint, metrics of one run) | test_train_killed_at_every_rename_keeps_one_whole_run |
+| evaluate.py killed before each rename (no summary beside another run's PNGs) | test_evaluate_killed_at_every_rename_never_mixes_two_runs |
+| report --out and the results page killed before each rename | test_report_and_results_killed_at_every_rename_keep_a_whole_output |
+| hydra.run.dir holding foreign files, the repository root or its parent | test_a_run_dir_holding_what_the_command_did_not_write_is_refused |
+| checkpoint_name=metrics.json, ../../escaped.pt, a folder, a dot file | test_checkpoint_name_is_a_file_name |
+| hydra.run.dir = the input dataset, through the real entry point (nothing written by Hydra) | test_a_run_dir_on_the_input_dataset_is_refused_before_hydra_writes |
+| validate_sim --out = --data / the folder of --real-from; calibrate --out = --calls, --name ../../x; results --out = --plan / RUNS/steps.json | test_argparse_commands_never_write_over_their_inputs |
+| a Who&When subset folder or run file that cannot be read | test_an_unreadable_subset_fails_the_whole_import |
+| a Who&When subset that is a symlink to itself | test_a_subset_that_links_to_itself_is_refused |
+| chat src that is a FIFO with no writer, a device, a socket, a symlink loop | test_a_source_that_is_not_a_regular_file_is_refused |
+| tau-bench / chat JSON nested beyond the recursion limit | test_json_nested_beyond_the_recursion_limit_is_an_issue |
+| chat lines where only some carry `step` | test_chat_lines_where_only_some_carry_a_step_are_refused |
 | plugin: one NaN round under the online backoff, then healthy rounds | test_one_nan_round_is_one_fallback_round |
 | plugin: 20,000 workflows that never end | test_never_ended_workflows_leave_the_ledger_at_its_bound |
 | plugin: a ledger bound that is not a positive integer | test_the_ledger_bound_must_be_a_positive_integer |
