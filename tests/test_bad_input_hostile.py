@@ -492,7 +492,7 @@ def test_evaluate_killed_at_every_rename_never_mixes_two_runs(tmp_path):
         images = {name: (run / name).read_bytes() for name in ("hit_rate.png", "latency.png")}
         assert plots.setdefault(gpu, images) == images  # the PNGs are this summary's
         return gpu
-    killed_at_every_rename([*args, "sim.gpu_tokens=40000"], state)
+    killed_at_every_rename([*args, "sim.gpu_tokens=40000"], lambda: None)
     seen = killed_at_every_rename([*args, "sim.gpu_tokens=80000"], state)
     assert seen[0] == 40000 and seen[-1] == 80000
     assert siblings(run) == []
