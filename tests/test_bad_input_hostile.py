@@ -44,15 +44,20 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data import CONF_DIR, store
+from data import CONF_DIR, REPO, store
 from data.atomic import MARKER
 from data.errors import run_reported
 from models import load_predictor, save_predictor
 from models.markov import MarkovPredictor
 from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
-from tests.conftest import REPO
-from tests.test_formats import chat_line
+
+
+def chat_line(**over):
+    """One valid line of the chat format, with `over` replacing its fields."""
+    rec = {"workflow_id": "t1", "agent": "coder", "completion": "def f(): return 1",
+           "messages": [{"role": "system", "content": "You write code."}, {"role": "user", "content": "Fix bug 7."}]}
+    return json.dumps({**rec, **over})
 
 
 def one_line(capsys):
@@ -416,9 +421,7 @@ def test_chat_lines_where_only_some_carry_a_step_are_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     src.write_text("\n".join([chat_line(step=5), chat_line(step=1), chat_line(step=2)]) + "\n")
     assert imported(capsys, src, tmp_path / "out", "chat")[0] == 0  # all given: ordered by step
-    assert store.load(tmp_path / "out").rows()[0]["step"] in (1, 2, 5)
-    assert [r["step"] for r in store.load(tmp_path / "out").rows()] == sorted(
-        r["step"] for r in store.load(tmp_path / "out").rows())
+    assert [r["step"] for r in store.load(tmp_path / "out").rows()] == [1, 2, 5]
 
 
 # -------------------------------------------------------------------- a kill at every rename keeps an output
@@ -448,6 +451,7 @@ def siblings(path):
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
 
+@pytest.mark.slow  # one child process per rename
 def test_data_generate_killed_at_every_rename_keeps_the_old_or_the_new_dataset(tmp_path):
     out = tmp_path / "ds"
     args = ["-m", "data.generate", "workload=hover", "seed=0", f"out={out}", "overwrite=true",
@@ -458,6 +462,7 @@ def test_data_generate_killed_at_every_rename_keeps_the_old_or_the_new_dataset(t
     assert siblings(out) == []  # the completed run cleaned what the killed ones left
 
 
+@pytest.mark.slow  # one child process per rename
 def test_train_killed_at_every_rename_keeps_one_whole_run(tmp_path):
     """The run folder's config, checkpoint and metrics are always of one run (seed 0 or seed 1)."""
     from models import read_checkpoint
@@ -479,6 +484,7 @@ def test_train_killed_at_every_rename_keeps_one_whole_run(tmp_path):
     assert siblings(run) == []
 
 
+@pytest.mark.slow  # one child process per rename
 def test_evaluate_killed_at_every_rename_never_mixes_two_runs(tmp_path):
     run = tmp_path / "run"
     args = ["evaluate.py", "debug=evaluate", "policies=[lru]", "prefetch=[none]", f"hydra.run.dir={run}",
@@ -498,6 +504,7 @@ def test_evaluate_killed_at_every_rename_never_mixes_two_runs(tmp_path):
     assert siblings(run) == []
 
 
+@pytest.mark.slow  # one child process per rename
 def test_report_and_results_killed_at_every_rename_keep_a_whole_output(tmp_path):
     import evaluate as evaluate_py
     from data.cli import compose_config
@@ -573,6 +580,7 @@ def test_checkpoint_name_is_a_file_name(tmp_path, capsys, name):
     assert listing(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_run_dir_on_the_input_dataset_is_refused_before_hydra_writes(dataset, tmp_path):
     """Through the real entry point: Hydra writes no .hydra/ and no log into the dataset."""
     import subprocess
