@@ -48,7 +48,7 @@ def test_a_server_step_inlines_its_report(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"steps": [
         {"name": "check", "kind": "server", "title": "Real against simulated", "about": "Ten workflows.",
-         "command": "-c \"print('the server run')\""}]}))
+         "command": "-m serving_integration.experiments.report --help"}]}))  # a plan runs project commands only
     runs = tmp_path / "runs"
     (runs / "server" / "check").mkdir(parents=True)
     (runs / "server" / "check" / "report.md").write_text("lru | 16.0% / 14.7%\n")
@@ -56,4 +56,5 @@ def test_a_server_step_inlines_its_report(tmp_path):
     assert results.main(["--plan", str(plan), "--runs", str(runs), "--out", str(out)]) == 0
     page = out.read_text()
     assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page
-    assert page.index("python -c") < page.index("lru | 16.0%")  # the command comes before its numbers
+    # the command comes before its numbers
+    assert page.index("python -m serving_integration.experiments.report") < page.index("lru | 16.0%")
