@@ -5,8 +5,10 @@
     python evaluate.py predictor.checkpoint=RUN/predictor.pt prefetch=[none,conservative]
     python evaluate.py -m sim.gpu_tokens=150000,300000,600000
 
-Writes summary.json, hit_rate.png and latency.png to the run directory, prints the table and logs
-both to W&B (offline unless WANDB_MODE says otherwise). Logic: serving_integration/experiments/evaluation.py.
+Writes summary.json, hit_rate.png and latency.png to the run directory (all at once or not at all:
+data.atomic.hydra_run_dir; a run folder is only replaced when evaluate.py made it), prints the table
+and logs both to W&B (offline unless WANDB_MODE says otherwise). Logic:
+serving_integration/experiments/evaluation.py.
 """
 
 import logging
@@ -17,8 +19,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from data.atomic import check_output
 import data.config  # noqa: F401  (registers the data schemas conf/ names)
+from data.atomic import hydra_run_dir
 from data.errors import EXIT_CONFIG, run_reported
 from serving_integration.experiments.config import Composed, settings  # registers the schemas Hydra composes with
 from serving_integration.experiments.evaluation import evaluate
@@ -34,14 +36,18 @@ def main(cfg: DictConfig) -> None:
         sys.exit(status)
 
 
+COMMAND = "evaluate.py"
+
+
 def run(cfg: DictConfig, run_dir: Path) -> None:
-    """Check the config (serving_integration/experiments/config.py) and the run directory, then evaluate."""
+    """Check the config (serving_integration/experiments/config.py), then evaluate into a temporary
+    folder that replaces the run directory when complete."""
     knobs = settings(cfg)
-    check_output(run_dir, [cfg.data.path, knobs.predictor.checkpoint])
-    summary = evaluate(cfg, run_dir, knobs)
-    plots = plot(summary["rows"], run_dir)
-    if knobs.wandb.enabled:
-        log_wandb(cfg, summary, plots, run_dir)
+    with hydra_run_dir(run_dir, COMMAND, cfg, inputs=[cfg.data.path, knobs.predictor.checkpoint]) as staging:
+        summary = evaluate(cfg, staging, knobs)
+        plots = plot(summary["rows"], staging)
+        if knobs.wandb.enabled:
+            log_wandb(cfg, summary, plots, staging)
     print(format_table(summary["rows"]))
     print(f"summary: {run_dir / 'summary.json'}")
 

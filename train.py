@@ -5,8 +5,10 @@
     python train.py -m model=graphsage,rgcn,markov,intent_residual seed=0,1,2
 
 Hydra key=value overrides of conf/train.yaml; each knob's default, range and help live in one
-dataclass (models/config.py, data/config.py; docs/configuration-data.md). The run directory gets metrics.json, predictor.pt (load it with models.load_predictor), the
-Lightning checkpoints and the csv / wandb logs. The logic lives in models/training.py.
+dataclass (models/config.py, data/config.py; docs/configuration.md). The run directory gets
+metrics.json, predictor.pt (load it with models.load_predictor), the Lightning checkpoints and the
+csv / wandb logs, all at once or not at all (data.atomic.hydra_run_dir: a run folder is only
+replaced when train.py made it). The logic lives in models/training.py.
 """
 
 import sys
@@ -16,7 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from data.atomic import check_output
+from data.atomic import hydra_run_dir
 from data.errors import run_reported
 from models.config import train_config  # also registers the schemas conf/ names
 from models.training import optimized_value, train
@@ -31,11 +33,15 @@ def main(cfg: DictConfig) -> float | None:
     return result[0]
 
 
+COMMAND = "train.py"
+
+
 def run(cfg: DictConfig, run_dir: Path) -> float | None:
-    """Check the config (models.config.train_config) and the run directory, then train."""
+    """Check the config (models.config.train_config), then train into a temporary folder that
+    replaces the run directory when complete."""
     train_config(cfg)
-    check_output(run_dir, [cfg.data.get("path")])
-    return optimized_value(cfg, train(cfg, run_dir))
+    with hydra_run_dir(run_dir, COMMAND, cfg, inputs=[cfg.data.get("path")]) as staging:
+        return optimized_value(cfg, train(cfg, staging, final_dir=run_dir))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,16 @@ file and folder the project's commands write.
 
 - A file is written to a temporary sibling ``.NAME.tmp-PID-RANDOM[.SUFFIX]`` and renamed over
   NAME (``os.replace``, atomic on POSIX) only when complete.
-- A folder is built in a temporary sibling ``.NAME.tmp-PID-RANDOM``; when complete the old NAME (if
-  any) is renamed aside to ``.NAME.old-PID-RANDOM``, the new one renamed in, the old one removed. A
-  kill between the two renames leaves NAME absent with the complete old copy aside: the next write
-  of NAME (or :func:`recover`) puts it back. Siblings of dead processes are cleaned then too; those
-  of a live process (a parallel sweep job) are left alone (process ids: one machine per output folder).
+- A folder is built in a temporary sibling ``.NAME.tmp-PID-RANDOM``; when complete it is swapped
+  with the old NAME in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``: at every instant NAME
+  is the old complete folder or the new one), and the old one, now in the sibling, is removed. Where
+  the file system cannot exchange, the old NAME is renamed aside to ``.NAME.old-PID-RANDOM`` first;
+  a kill between those two renames leaves the old copy aside, and the next write of NAME (or
+  :func:`recover`) puts it back. Siblings of dead processes are cleaned then too; those of a live
+  process (a parallel sweep job) are left alone (process ids: one machine per output folder).
+- A Hydra job's run folder (train.py, evaluate.py) is one such folder (:func:`hydra_run_dir`): the
+  job writes into the temporary sibling, Hydra's own files (.hydra/, the log) included, so a killed
+  run leaves the previous run folder whole, never a mix of two runs.
 - An output may not be, or hold, any of the command's inputs (:func:`check_output`), and a folder
   is only replaced when it is empty or holds the marker file :data:`MARKER` naming a command
   allowed to replace it: a folder some user or other tool made is never removed.
@@ -226,23 +231,128 @@ def atomic_dir(path: str | os.PathLike, command: str, inputs: Iterable = (),
         os.mkdir(tmp, 0o777)  # mkdir applies the umask
     except OSError as e:
         raise OutputError(describe(e, path)) from e
-    old = None
     try:
         yield tmp
         (tmp / MARKER).write_text(command + "\n")
-        if os.path.lexists(path):
-            old = _sibling(path, "old")
-            path.rename(old)
-        tmp.rename(path)
+        old = swap_in(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.lexists(path):
-            old.rename(path)  # the previous output stays
         if _write_error(e):
             raise OutputError(describe(e, path)) from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where the system or file system cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def swap_in(new: Path, path: Path) -> Path | None:
+    """Put the complete folder `new` at `path`; returns where the previous `path` now is (for the
+    caller to remove), or None when there was none."""
+    if not os.path.lexists(path):
+        new.rename(path)
+        return None
+    if _exchange(new, path):
+        return new  # the previous output, under the temporary name
+    old = _sibling(path, "old")  # no exchange here: set aside, then renamed in (recover() undoes a kill between)
+    path.rename(old)
+    try:
+        new.rename(path)
+    except BaseException:
+        old.rename(path)  # the previous output stays
+        raise
+    return old
+
+
+def check_run_dir(run_dir: str | os.PathLike, command: str, inputs: Iterable = ()) -> None:
+    """Refuse a run folder that is or holds one of the inputs or the repository root, or that holds
+    anything `command` did not write (a run folder it made carries its marker)."""
+    check_command_output(run_dir, inputs)
+    check_replaceable(run_dir, (command,))
+
+
+def check_command_output(out: str | os.PathLike, inputs: Iterable = ()) -> None:
+    """What every command checks of its output before any work: it is not, and does not hold, one
+    of its inputs (:func:`check_output`) nor the repository root."""
+    from data import REPO
+
+    target = _resolved(out)
+    if target == REPO.resolve() or target in REPO.resolve().parents:
+        raise OutputError(f"output {out} is or holds the repository root; choose another output")
+    check_output(out, inputs)
+
+
+@contextmanager
+def hydra_run_dir(run_dir: str | os.PathLike, command: str, cfg=None, inputs: Iterable = ()) -> Iterator[Path]:
+    """A Hydra job's run folder written complete or not at all: checked (:func:`check_run_dir`),
+    then built in a temporary sibling that replaces `run_dir` when the job succeeds (:func:`atomic_dir`).
+
+    Hydra itself writes nothing into the run folder (conf/hydra/default.yaml: ``output_subdir: null``,
+    the job log to the console only): while the job runs, ``${hydra:runtime.output_dir}`` is the
+    temporary folder, and Hydra's files (.hydra/config.yaml, hydra.yaml, overrides.yaml and the job's
+    log) are written there, so they always describe the outputs beside them. A folder left empty by a
+    failed job (Hydra makes the run folder before the job starts) is removed."""
+    run_dir = Path(run_dir)
+    inputs = list(inputs)
+    was_missing_or_empty = not os.path.lexists(run_dir) or (run_dir.is_dir() and not any(run_dir.iterdir()))
+    try:
+        check_run_dir(run_dir, command, inputs)
+        with atomic_dir(run_dir, command, inputs) as tmp, _hydra_writes_into(tmp, run_dir, cfg):
+            yield tmp
+    except BaseException:
+        if was_missing_or_empty and run_dir.is_dir() and not run_dir.is_symlink() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+
+
+@contextmanager
+def _hydra_writes_into(tmp: Path, run_dir: Path, cfg) -> Iterator[None]:
+    """Point Hydra's runtime.output_dir at `tmp` for the job, with Hydra's files and log there."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    if not HydraConfig.initialized():  # called outside a Hydra job (tests): nothing of Hydra's to write
+        yield
+        return
+    hydra_cfg = HydraConfig.instance().cfg
+    runtime = hydra_cfg.hydra.runtime
+    files = tmp / ".hydra"
+    files.mkdir()
+    if cfg is not None:
+        OmegaConf.save(cfg, files / "config.yaml")
+    OmegaConf.save(hydra_cfg, files / "hydra.yaml")  # names the run folder, not the temporary one
+    OmegaConf.save(hydra_cfg.hydra.overrides.task, files / "overrides.yaml")
+    log = logging.FileHandler(tmp / f"{hydra_cfg.hydra.job.name}.log")
+    log.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(log)
+    with read_write(runtime), open_dict(runtime):
+        runtime.output_dir = str(tmp.resolve())
+    try:
+        yield
+    finally:
+        with read_write(runtime), open_dict(runtime):
+            runtime.output_dir = str(run_dir.resolve())
+        logging.getLogger().removeHandler(log)
+        log.close()
 
 
 def write_json(path: str | os.PathLike, obj, inputs: Iterable = ()) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Iterable
@@ -109,13 +110,35 @@ def _issues_from(err: ValidationError, file: str, line: int) -> list[Issue]:
     return issues
 
 
+def read_source(path: str | os.PathLike) -> bytes:
+    """A trace file's bytes. Only a regular file is read: a FIFO with no writer would block
+    forever, a device never ends, a socket is not a file (opened without blocking, then checked);
+    an unreadable file or a symlink loop is one issue naming the path."""
+    file = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror}")]) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise TraceValidationError([Issue(file, None, "", f"is {kind}, not a regular file; give a trace file")])
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror}")]) from None
+    finally:
+        os.close(fd)
+
+
 def parse_lines(path: str | os.PathLike, model: type[_Record], issues: list[Issue]):
     """Yield (line number, record) for each valid non-blank line; append issues for the rest."""
     file = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror}")]) from e
+    raw = read_source(path)
     for number, chunk in enumerate(raw.split(b"\n"), start=1):
         if not chunk.strip():
             continue
@@ -249,7 +272,13 @@ def chat_to_traces(file: str, records: list[tuple[int | None, ChatCall]], counte
 
 def _order_chat_workflow(file, lines, issues) -> list[tuple[int | None, ChatCall]]:
     recs = [rec for _, rec in lines]
-    if all(r.step is not None for r in recs):
+    with_step = [r.step is not None for r in recs]
+    if any(with_step) and not all(with_step):  # file order and given steps could disagree: refuse
+        number = next(n for (n, _), given in zip(lines, with_step) if given != with_step[0])
+        issues.append(Issue(file, number, "step", f"workflow '{recs[0].workflow_id}' gives a step on some lines "
+                                                  "and not on others; give it on every line or on none"))
+        return []
+    if all(with_step):
         lines = sorted(lines, key=lambda item: item[1].step)
     elif all(r.timestamp is not None for r in recs):
         lines = sorted(lines, key=lambda item: item[1].timestamp)

@@ -22,10 +22,20 @@ def located(path: str | Path) -> Path:
 
 
 def read_bytes(path: str | Path) -> bytes:
-    """The published bytes of `path` (decompressed when it, or the copy found in its place, is .gz)."""
+    """The published bytes of `path` (decompressed when it, or the copy found in its place, is .gz).
+    Only a regular file is read (data.formats.read_source); an unreadable or damaged file is one
+    issue naming it (TraceValidationError)."""
+    from data.errors import Issue, TraceValidationError
+    from data.formats import read_source
+
     path = located(path)
-    raw = path.read_bytes()
-    return gzip.decompress(raw) if path.suffix == ".gz" else raw
+    raw = read_source(path)
+    if path.suffix != ".gz":
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError) as e:  # gzip's BadGzipFile, or a truncated copy
+        raise TraceValidationError([Issue(str(path), None, "", f"cannot read: damaged gzip ({e})")]) from None
 
 
 def published_name(path: Path) -> str:

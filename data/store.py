@@ -170,27 +170,219 @@ def save(ds: TraceDataset, out: str | Path, overwrite: bool = False, command: st
 
 
 def load(path: str | Path) -> TraceDataset:
+    """A stored dataset, checked before use: meta.json, each table's columns, token counts >= 0 and
+    each workflow's steps in increasing order. Anything else is one line naming the file."""
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path} is not a trace dataset (no meta.json); "
                                 "write one with `python -m data.generate` or `python -m data.import_traces`")
+    meta = _read_meta(meta_file)
+    calls = DatasetDict({s: _load_table(path / "calls" / s, CALL_FEATURES) for s in SPLITS})
+    segments = _load_table(path / "segments", SEGMENT_FEATURES)
+    for split in SPLITS:
+        _check_calls(calls[split], path / "calls" / split)
+    _check_nonnegative(segments, "tokens", path / "segments")
+    return TraceDataset(calls, segments, meta, path)
+
+
+REBUILD = "rebuild the dataset (python -m data.generate or data.import_traces)"
+
+
+def _read_meta(meta_file: Path) -> dict:
     try:
         meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{meta_file}: corrupt meta.json ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_file}: corrupt meta.json ({e}); {REBUILD}") from None
+    except RecursionError:
+        raise ValueError(f"{meta_file}: JSON nested too deeply; {REBUILD}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_file}: expected a JSON object, got {type(meta).__name__}; {REBUILD}")
     if meta.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema version {meta.get('schema_version')}, this code reads "
-                         f"{SCHEMA_VERSION}; rebuild the dataset")
-    calls = DatasetDict({s: _load_table(path / "calls" / s, CALL_FEATURES) for s in SPLITS})
-    return TraceDataset(calls, _load_table(path / "segments", SEGMENT_FEATURES), meta, path)
+        raise ValueError(f"{meta_file}: schema version {meta.get('schema_version')}, this code reads "
+                         f"{SCHEMA_VERSION}; {REBUILD}")
+    split, splits = meta.get("split"), meta.get("splits")
+    if not isinstance(split, dict) or not all(isinstance(split.get(k), (int, float)) and not isinstance(split.get(k), bool)
+                                              for k in ("val", "test", "seed")):
+        raise ValueError(f"{meta_file}: field 'split': expected val, test and seed numbers; {REBUILD}")
+    for name in SPLITS:
+        sizes = splits.get(name) if isinstance(splits, dict) else None
+        if not isinstance(sizes, dict) or any(isinstance(sizes.get(k), bool) or not isinstance(sizes.get(k), int)
+                                              or sizes[k] < 0 for k in ("workflows", "calls")):
+            raise ValueError(f"{meta_file}: field 'splits.{name}': expected non-negative workflows and calls "
+                             f"counts; {REBUILD}")
+    checked_recipe(meta, str(meta_file))
+    return meta
+
+
+def _table_file(table: Dataset, folder: Path) -> str:
+    files = getattr(table, "cache_files", None) or []
+    return files[0]["filename"] if files else str(folder)
+
+
+def _check_nonnegative(table: Dataset, column: str, folder: Path) -> None:
+    import pyarrow.compute as pc
+
+    values = table.data.column(column)
+    if _is_list(values.type):
+        values = pc.list_flatten(values)
+    smallest = pc.min(values).as_py() if len(values) else None
+    if smallest is not None and smallest < 0:
+        row = next(i for i, v in enumerate(table[column]) if (min(v, default=0) if isinstance(v, list) else v) < 0)
+        raise ValueError(f"{_table_file(table, folder)}: field '{column}': {smallest} in row {row}; token counts "
+                         f"are >= 0 (a corrupt or crafted dataset: {REBUILD})")
+
+
+def _is_list(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+
+
+def _check_calls(table: Dataset, folder: Path) -> None:
+    for column in ("prompt_segment_tokens", "prompt_tokens", "output_tokens"):
+        _check_nonnegative(table, column, folder)
+    if not len(table):
+        return
+    workflows = np.asarray(table.data.column("workflow_id").to_pylist(), dtype=object)
+    steps = table.data.column("step").to_numpy(zero_copy_only=False)
+    out_of_order = np.flatnonzero((workflows[1:] == workflows[:-1]) & (steps[1:] <= steps[:-1]))
+    if len(out_of_order):
+        row = int(out_of_order[0]) + 1
+        raise ValueError(f"{_table_file(table, folder)}: field 'step': workflow {workflows[row]} has step "
+                         f"{steps[row]} after {steps[row - 1]} (row {row}); steps must increase ({REBUILD})")
 
 
 def _load_table(path: Path, features) -> Dataset:
     # datasets writes no arrow file for an empty table and cannot load it back; rebuild it empty
-    if not json.loads((path / "state.json").read_text())["_data_files"]:
-        return _table([], features)
-    return load_from_disk(str(path))
+    try:
+        state = json.loads((path / "state.json").read_text())
+        table = _table([], features) if not state["_data_files"] else load_from_disk(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable table ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}); {REBUILD}") from None
+    if not isinstance(table, Dataset):
+        raise ValueError(f"{path}: not a table; {REBUILD}")
+    missing = [name for name in features if name not in table.features]
+    if missing:
+        raise ValueError(f"{_table_file(table, path)}: missing column(s) {', '.join(missing)}; {REBUILD}")
+    wrong = next((n for n in features if table.features[n] != features[n]), None)
+    if wrong is not None:
+        raise ValueError(f"{_table_file(table, path)}: column '{wrong}' has type {table.features[wrong]}, "
+                         f"expected {features[wrong]}; {REBUILD}")
+    return table
+
+
+GENERATE_TARGET = "data.generators.generate"  # the `data` configs' source targets (conf/data/*.yaml)
+IMPORT_TARGET = "data.readers.read_traces"
+RECIPE_KEYS = {"generated": {"workload", "parameters", "n_workflows", "seed", "split"},
+               "imported": {"format", "src", "skip_bad_lines", "split"}}
+
+
+def plain_recipe(source: dict, split: dict) -> dict:
+    """What meta.json records of the `data` config that built a dataset: plain values, a workload
+    named by its registry name (data.generators.WORKLOADS) and its parameters, never a callable."""
+    from data.generators import WORKLOADS
+
+    source = dict(source)
+    target = source.pop("_target_", None)
+    if target == GENERATE_TARGET:
+        parameters = dict(source.pop("workload"))
+        workload_target = parameters.pop("_target_", None)
+        names = {f"data.generators.{cls.__name__}": name for name, cls in WORKLOADS.items()}
+        if workload_target not in names:
+            raise ValueError(f"data.source.workload._target_={workload_target}: not a workload of "
+                             f"data.generators.WORKLOADS ({', '.join(names)})")
+        return {"kind": "generated", "workload": names[workload_target], "parameters": parameters,
+                "n_workflows": source.get("n_workflows"), "seed": source.get("seed", 0), "split": dict(split)}
+    if target == IMPORT_TARGET:
+        return {"kind": "imported", **source, "split": dict(split)}
+    raise ValueError(f"data.source._target_={target}: a dataset is built by {GENERATE_TARGET} or {IMPORT_TARGET}")
+
+
+def checked_recipe(meta: dict, where: str) -> dict | None:
+    """meta.json's recipe as plain values (None when it records none), checked against the named
+    workload's parameters; a recipe written before recipes were plain values (``source`` with
+    Hydra targets) is read when its targets are exactly the registry's, else refused."""
+    from data.generators import WORKLOADS
+
+    recipe = meta.get("recipe")
+    if recipe is None:
+        return None
+    regenerate = "regenerate the dataset (python -m data.generate or data.import_traces)"
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{where}: field 'recipe': expected an object; {regenerate}")
+    if "source" in recipe and "kind" not in recipe:  # the earlier layout: Hydra's config, targets included
+        try:
+            recipe = plain_recipe(recipe["source"], recipe.get("split") or {})
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{where}: field 'recipe': {e}; {regenerate}") from None
+    kind = recipe.get("kind")
+    if kind not in RECIPE_KEYS:
+        raise ValueError(f"{where}: field 'recipe.kind': {kind!r} is not one of {', '.join(RECIPE_KEYS)}; {regenerate}")
+    unknown = set(recipe) - RECIPE_KEYS[kind] - {"kind"}
+    if unknown:
+        raise ValueError(f"{where}: field 'recipe': unknown key(s) {', '.join(sorted(unknown))}; {regenerate}")
+    plain_values(recipe, f"{where}: field 'recipe'")
+    if kind == "generated":
+        name = recipe.get("workload")
+        if name not in WORKLOADS:
+            raise ValueError(f"{where}: field 'recipe.workload': {name!r} is not one of {', '.join(WORKLOADS)}")
+        check_parameters(WORKLOADS[name], recipe.get("parameters") or {}, f"{where}: field 'recipe.parameters'")
+        for key in ("n_workflows", "seed"):
+            value = recipe.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "n_workflows" else 0):
+                raise ValueError(f"{where}: field 'recipe.{key}': {value!r} is not a "
+                                 f"{'positive' if key == 'n_workflows' else 'non-negative'} integer")
+    return recipe
+
+
+def plain_values(value, where: str, depth: int = 0) -> None:
+    """Refuse anything but JSON values, and any Hydra key (``_target_`` and its kin) at any depth."""
+    if depth > 32:
+        raise ValueError(f"{where}: nested deeper than 32 levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or (key.startswith("_") and key.endswith("_")):
+                raise ValueError(f"{where}: key {key!r} is not allowed (values only, no callables)")
+            plain_values(item, where, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            plain_values(item, where, depth + 1)
+    elif not (value is None or isinstance(value, (bool, int, float, str))):
+        raise ValueError(f"{where}: {type(value).__name__} is not a plain value")
+
+
+def check_parameters(cls, parameters: dict, where: str) -> None:
+    """`parameters` name only arguments of the workload's constructor (its schema)."""
+    import inspect
+
+    allowed = [n for n, p in inspect.signature(cls).parameters.items()
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not isinstance(parameters, dict):
+        raise ValueError(f"{where}: expected an object of {cls.name}'s parameters")
+    unknown = sorted(set(parameters) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} is not a parameter of {cls.name} ({', '.join(allowed)})")
+
+
+def recreate(recipe: dict, seed: int, cache_dir: str | Path, name: str) -> TraceDataset:
+    """The generated dataset `recipe` describes, drawn with workload seed `seed` (cached): the
+    workload is built from the registry with its checked parameters, never through `instantiate`."""
+    from data.generators import WORKLOADS, generate
+
+    recipe = {**recipe, "seed": seed}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    cached = Path(cache_dir) / f"{name}-{key}"
+    if not (cached / "meta.json").is_file():
+        try:
+            workload = WORKLOADS[recipe["workload"]](**recipe["parameters"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recipe of {name}: workload {recipe['workload']} does not build: {e}") from None
+        ds = build(generate(workload, recipe["n_workflows"], seed), **recipe["split"])
+        ds.meta["recipe"] = recipe
+        save(ds, cached, overwrite=True)
+    return load(cached)
 
 
 def resolve(cfg: DictConfig) -> TraceDataset:
@@ -202,9 +394,9 @@ def resolve(cfg: DictConfig) -> TraceDataset:
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     cached = Path(cfg.cache_dir) / f"{cfg.name}-{key}"
     if not (cached / "meta.json").is_file():
-        traces: Traces = instantiate(cfg.source, _convert_="all")
+        traces: Traces = instantiate(cfg.source, _convert_="all")  # the config's own source, not a file's
         ds = build(traces, **cfg.split)
-        ds.meta["recipe"] = recipe
+        ds.meta["recipe"] = plain_recipe(recipe["source"], recipe["split"])
         save(ds, cached, overwrite=True)
     return load(cached)
 
@@ -213,17 +405,14 @@ def resolve_seeded(cfg: DictConfig, seed: int) -> TraceDataset:
     """The `data` config's dataset drawn with workload seed `seed` (evaluate's `seeds=[...]`):
     a generated source is generated again with `source.seed=seed`; a source without a seed (imported
     traces) is split again with `split.seed=seed`; a dataset directory (`data.path`) is rebuilt from
-    the recipe its meta.json records when that has a seed, else split again with that seed (cached
-    beside the generated datasets)."""
+    the recipe its meta.json records when that is a generated one (plain values: see
+    `checked_recipe`), else split again with that seed (cached beside the generated datasets)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if cfg.get("path"):
         ds = load(cfg.path)
-        recipe = ds.meta.get("recipe") or {}
-        if "seed" in recipe.get("source", {}):
-            cfg.path = None
-            cfg.source, cfg.split = recipe["source"], recipe["split"]
-            cfg.source.seed = seed
-            return resolve(cfg)
+        recipe = checked_recipe(ds.meta, str(Path(cfg.path) / "meta.json"))
+        if recipe is not None and recipe["kind"] == "generated":
+            return recreate(recipe, seed, cfg.cache_dir, cfg.name)
         if ds.meta["split"]["seed"] == seed:
             return ds
         key = hashlib.sha256(json.dumps([str(Path(cfg.path).resolve()), seed]).encode()).hexdigest()[:12]
@@ -232,7 +421,7 @@ def resolve_seeded(cfg: DictConfig, seed: int) -> TraceDataset:
             from data.schema import SegmentTable
 
             meta = {k: v for k, v in ds.meta.items() if k not in ("schema_version", "split", "splits", "stats",
-                                                                    "skipped_lines")}
+                                                                    "skipped_lines", "recipe")}
             traces = Traces(ds.rows(None), SegmentTable(ds.segment_table()), {**meta, "resplit_of": str(cfg.path)})
             split = {k: ds.meta["split"][k] for k in ("val", "test")}
             save(build(traces, **split, seed=seed), cached, overwrite=True)

@@ -178,14 +178,12 @@ def run_to_chat_calls(run: _Run) -> list[ChatCall]:
 
 def _load_list(src: Path) -> list:
     file = str(located(src))
-    try:
-        raw = read_bytes(src)
-    except OSError as e:  # also gzip's BadGzipFile for a damaged compressed copy
-        raise TraceValidationError([Issue(file, None, "", f"cannot read: {e.strerror or e}")]) from e
-    except EOFError as e:
-        raise TraceValidationError([Issue(file, None, "", f"cannot read: truncated gzip ({e})")]) from e
+    raw = read_bytes(src)  # regular files only (data.formats.read_source), decompressed when .gz
     try:
         runs = json.loads(raw)
+    except RecursionError:
+        raise TraceValidationError([Issue(file, None, "", "JSON nested deeper than Python's recursion "
+                                                         "limit; not a trajectories file")]) from None
     except UnicodeDecodeError as e:
         raise TraceValidationError([Issue(file, None, "", f"invalid UTF-8 (byte {e.start})")]) from e
     except json.JSONDecodeError as e:

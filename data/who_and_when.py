@@ -18,6 +18,7 @@ chat format's.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -77,29 +78,39 @@ def run_to_chat_calls(run: _Run, workflow_id: str, workload: str) -> list[ChatCa
     return calls
 
 
-def _run_files(folder: Path) -> list[Path]:
-    """The subset's run files in numeric order, `N.json` or its compressed copy `N.json.gz` (not both)."""
-    files = {published_name(p): p for p in sorted(folder.glob("*.json.gz"))}
-    files.update({p.name: p for p in folder.glob("*.json")})
-    return [files[name] for name in sorted(files, key=_numeric_order)]
-
-
 def _numeric_order(name: str):
     stem = name.removesuffix(".json")
     return (0, int(stem)) if stem.isdigit() else (1, stem)
 
 
+def subset_files(folder: Path) -> list[Path]:
+    """The run files of one subset folder in numeric order, `N.json` or its compressed copy
+    `N.json.gz` (the published file when both are there); all or none: a folder that cannot be
+    listed (no permission, a symlink loop, not a folder) fails the whole import naming it."""
+    try:
+        folder.resolve(strict=True)  # a symlink to itself: ELOOP (RuntimeError before Python 3.13)
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if e.name.endswith((".json", ".json.gz"))]
+    except (OSError, RuntimeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise TraceValidationError([Issue(str(folder), None, "", f"cannot read this subset: {reason}")]) from None
+    files = {published_name(Path(n)): folder / n for n in sorted(names, key=lambda n: not n.endswith(".gz"))}
+    return [files[name] for name in sorted(files, key=_numeric_order)]
+
+
 def read_who_and_when(src: str | Path, counter: TokenCounter | None = None,
                       skip_bad_lines: bool = False) -> Traces:
+    """Every run of every subset present, or an error: an unreadable subset or run file fails the
+    import with its path (skip_bad_lines skips invalid runs, never unreadable ones)."""
     src = Path(src)
-    subsets = [d for d in SUBSETS if (src / d).is_dir()]
+    subsets = [d for d in SUBSETS if os.path.lexists(src / d)]
     if not subsets:
         raise TraceValidationError([Issue(str(src), None, "", f"no {' or '.join(SUBSETS)} folder here")])
     issues: list[Issue] = []
     records: list[tuple[int | None, ChatCall]] = []
     for subset in subsets:
-        for path in _run_files(src / subset):
-            try:
+        for path in subset_files(src / subset):
+            try:  # pydantic's parser bounds the nesting itself (json_invalid: recursion limit exceeded)
                 run = _Run.model_validate_json(read_bytes(path))
             except ValidationError as e:
                 issues.extend(_issues_from(e, str(path), None))

@@ -20,6 +20,7 @@ line, ``model.predictor.layers=0: Input should be greater than or equal to 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+import re
 from typing import Any, List, Optional
 
 from data.config import data_config
@@ -271,12 +272,21 @@ class DataModuleConfig(Knobs):
                                     "the text encoder), hidden, encoder, none", one_of(TEXT_SOURCES))
 
 
+def _checkpoint_file_name(name: str) -> Optional[str]:
+    """A file name of the run folder, not a path: `../../x.pt` would write outside it, and
+    `metrics.json` would be replaced by the checkpoint."""
+    if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.pt", name) and name != "metrics.json":
+        return None
+    return "should be a file name ending in .pt (no folder, not starting with a dot)"
+
+
 @dataclass
 class TrainConfig(Knobs):
     task_name: str = "train"
     seed: int = knob(0, "seeds everything: same config, same metrics", at_least(0))
     horizon: int = knob(3, "K: steps predicted per forward pass", at_least(1))
-    checkpoint_name: str = knob("predictor.pt", "the checkpoint's file name in the run directory", nonempty)
+    checkpoint_name: str = knob("predictor.pt", "the checkpoint's file name in the run directory (a name, not a "
+                                "path; not metrics.json, which the run writes too)", _checkpoint_file_name)
     torch_threads: Optional[int] = knob(1, "intra-op threads: 1 is fastest for these small models on 2 cores and "
                                            "gives the same numbers under every launcher (null: torch's default)",
                                         at_least(1))

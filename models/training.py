@@ -59,8 +59,10 @@ def clean(value):
     return None if value is None or value != value else float(value)  # NaN -> None for JSON
 
 
-def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
-    """Fit (unless count-based), evaluate on val and test, write the checkpoint and metrics.json."""
+def train(cfg: DictConfig, run_dir: str | Path | None = None, final_dir: str | Path | None = None) -> dict:
+    """Fit (unless count-based), evaluate on val and test, write the checkpoint and metrics.json
+    into `run_dir`; `final_dir`: where the run folder will be once complete (train.py writes into a
+    temporary sibling), the folder metrics.json names the checkpoint in."""
     run_dir = Path(run_dir or HydraConfig.get().runtime.output_dir)
     if cfg.get("torch_threads"):
         torch.set_num_threads(cfg.torch_threads)  # results depend on it: reductions split differently
@@ -91,7 +93,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     training = {"train_seconds": round(train_seconds, 3), "epochs": trainer.current_epoch if predictor.trainable else 0,
                 "n_parameters": predictor.n_parameters(), "family": predictor.family}
     checkpoint = save_predictor(predictor, run_dir / cfg.checkpoint_name, config, metrics, training)
-    metrics["checkpoint"] = str(checkpoint)
+    metrics["checkpoint"] = str(Path(final_dir or run_dir) / checkpoint.name)
     ceiling = datamodule.dataset.meta.get("bayes_ceiling")
     if ceiling:  # generated data: the best top-1 any predictor can reach (data/generators.py)
         metrics["bayes_ceiling"] = ceiling

@@ -139,6 +139,13 @@ class OnlineBackoff:
         for w in workflows:
             self._fold(w)
         model = self.inner.predict(workflows).to(torch.float64)
+        if not torch.isfinite(model).all():
+            # a bad round (corrupted weights, a numerical blow-up) reaches no running state: the
+            # pending predictions are dropped unscored and the weights stay as they were, so the
+            # next healthy round is mixed as before; the caller's guard rejects this one
+            for w in workflows:
+                self.last.pop(w.id, None)
+            return model
         names = self.agent_names
         n_model, n = model.shape[-1] - 1, len(names)
         out_model = torch.zeros(len(workflows), self.horizon, n + 1, dtype=torch.float64)

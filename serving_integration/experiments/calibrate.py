@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -245,8 +246,14 @@ def main(argv=None) -> int:
             print(f"error: {args.promote}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         return 0
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name):
+        print(f"error: --name {args.name}: a preset name (letters, digits, _ . -), not a path", file=sys.stderr)
+        return 2
     out = Path(args.out or FITTED_DIR / f"{args.name}.yaml")
     try:
+        from data.atomic import check_command_output
+
+        check_command_output(out, [args.calls, args.model_dir])  # never over the calls it fits
         cost, report = fit_preset(args.calls, out, name=args.name, model_dir=args.model_dir, peak_flops=args.peak_flops,
                                   mem_bandwidth=args.mem_bandwidth, pcie_bandwidth=args.pcie_bandwidth)
     except (OSError, ValueError, KeyError) as e:

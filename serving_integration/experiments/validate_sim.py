@@ -132,7 +132,7 @@ def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_siz
 
 
 def cpu_cost_model():
-    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate)."""
+    """conf/cost_model/cpu-tiny-llama.yaml (written by experiments.calibrate), read as values."""
     from serving_integration.simulator.config import cost_model_preset
 
     return cost_model_preset(CONF_DIR / "cost_model" / f"{CPU_COST_MODEL}.yaml")
@@ -327,6 +327,13 @@ def main(argv=None) -> int:
     if unsupported:
         print(f"error: validate_sim runs lru, lfu, pbkv_lae and pbkv; not {unsupported}", file=sys.stderr)
         return 2
+    from data.atomic import OutputError, check_command_output
+
+    try:  # before any work: never over the dataset, the checkpoint or the run compared with
+        check_command_output(args.out, [args.data, args.checkpoint, args.real_from])
+    except OutputError as e:
+        print(f"error: --out: {e}", file=sys.stderr)
+        return 1
     ds = store.load(args.data)
     rows = ds.rows(None if args.split == "all" else args.split)
     workflows = replay_workflows(rows)[: args.n_workflows or None]

@@ -13,7 +13,8 @@ non-finite, outside [0, 1], rows not summing to 1) turns that round's decision i
 LRU) until a later round succeeds; every such round is counted. Missing or malformed request
 metadata is counted and the request is served as an anonymous one (its cache is unowned, hence
 evicted like retired cache). A workflow that never sends its end signal is retired after
-`workflow_ttl_s` without calls.
+`workflow_ttl_s` without calls, and at most `max_live_workflows` are followed at once (the
+longest-silent one is retired first), so clients cannot grow the ledger without bound.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
     prefetch_reserve_tokens: int = knob(256, "free GPU tokens prefetch always leaves to decode", at_least(0))
     workflow_ttl_s: float = knob(3600.0, "retire a workflow silent this long (a lost end signal); 0: never",
                                  at_least(0))
+    max_live_workflows: int = knob(10000, "ledger bound: past it the longest-silent workflow with no request in "
+                                   "flight is retired (counted, logged)", at_least(1))
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
 
@@ -301,7 +304,8 @@ class WorkflowRuntime:
         # predictions are needed by the order itself (pbkv, kvflow) or to rank prefetch candidates
         self.needs_predictions = self.policy.uses_predictions or self.prefetch.enabled
         self.degraded = self.needs_predictions and self.predictor is None
-        self.workflows: dict[str, LiveWorkflow] = {}
+        # live workflows, least recently seen first (a call moves its workflow to the end)
+        self.workflows: OrderedDict[str, LiveWorkflow] = OrderedDict()
         self.to_predict: dict[str, None] = {}  # workflows with a call finished since the last round
         self.tags: OrderedDict[Any, WorkflowTag | None] = OrderedDict()  # rid -> tag, requests in flight
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
@@ -399,10 +403,28 @@ class WorkflowRuntime:
             wf = self.workflows[tag.workflow_id] = LiveWorkflow(tag.workflow_id, task=tag.task)
             self.ledger.start(wf.id)
             self.stats.count("workflows_started")
+            self._bound_live_workflows(keep=wf.id)
+        else:
+            self.workflows.move_to_end(wf.id)
         if tag.task and not wf.task:
             wf.task = tag.task
         wf.last_seen = self.clock()
         return wf
+
+    def _bound_live_workflows(self, keep: str) -> None:
+        """Keep at most `max_live_workflows` live: clients that never send an end signal cannot grow
+        the ledger past it. The longest-silent workflow without a request in flight is retired first
+        (its cache becomes retired cache, as after a lost end signal's TTL); only when every live
+        workflow has one in flight is the longest-silent of those retired."""
+        while len(self.workflows) > self.config.max_live_workflows:
+            victim = (next((w for w in self.workflows.values() if w.id != keep and not w.running), None)
+                      or next(w for w in self.workflows.values() if w.id != keep))
+            self.end_workflow(victim.id)
+            self.stats.count("workflows_evicted_by_bound")
+            evicted = self.stats["workflows_evicted_by_bound"]
+            if evicted in (1, 10, 100) or evicted % 1000 == 0:
+                log.warning("PBKV: %d live workflows reached max_live_workflows=%d; retired %d so far, "
+                            "longest silent first", len(self.workflows) + 1, self.config.max_live_workflows, evicted)
 
     # ---------------------------------------------------------------- scheduler steps
 

@@ -58,7 +58,7 @@ def test_a_server_step_inlines_its_report(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"steps": [
         {"name": "check", "kind": "server", "title": "Real against simulated", "about": "Ten workflows.",
-         "command": "-c \"print('the server run')\""}]}))
+         "command": "-m benchmarks.predictor_table --help"}]}))  # a plan runs project commands only
     runs = tmp_path / "runs"
     (runs / "server" / "check").mkdir(parents=True)
     (runs / "server" / "check" / "report.md").write_text("replayed\n\npolicy | hit real / sim\n--- | ---\n"
@@ -67,7 +67,7 @@ def test_a_server_step_inlines_its_report(tmp_path):
     assert results.main([f"plan={plan}", f"runs={runs}", f"out={out}"]) == 0
     page, detail = out.read_text(), (tmp_path / "results" / "check.md").read_text()
     assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page and "(results/check.md)" in page
-    assert detail.index("python -c") < detail.index("lru | 16.0%")  # the command comes before its numbers
+    assert detail.index("python -m benchmarks.predictor_table") < detail.index("lru | 16.0%")  # the command comes before its numbers
 
 
 def test_a_bad_setting_is_exit_2(tmp_path, capsys):
