@@ -227,7 +227,7 @@ def build(node, cls, prefix: str = ""):
     a bad value is raised as ConfigError naming its full key (``prefix.name=value: reason``).
     Keys the node has and `cls` lacks are an error too."""
     from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     try:
         values = (OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
@@ -236,6 +236,10 @@ def build(node, cls, prefix: str = ""):
         key = str(getattr(e, "full_key", None) or "")  # from the root of the node's config
         if node._get_parent() is None:
             key = ".".join(k for k in (prefix, key) if k)
+        if isinstance(e, MissingMandatoryValue):  # say what to give, from the knob's own help
+            name = key.rsplit(".", 1)[-1]
+            what = help_of(cls, name) if name in {f.name for f in dataclasses.fields(cls)} else ""
+            raise ConfigError(f"{key}: required" + (f" ({what})" if what else "")) from None
         raise ConfigError(f"{key or 'config'}: {str(e).splitlines()[0]}") from None
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)

@@ -354,11 +354,13 @@ def plain_values(value, where: str, depth: int = 0) -> None:
 
 
 def check_parameters(cls, parameters: dict, where: str) -> None:
-    """`parameters` name only arguments of the workload's constructor (its schema)."""
-    import inspect
+    """`parameters` name only knobs of the workload (its dataclass in data/config.py)."""
+    import dataclasses
 
-    allowed = [n for n, p in inspect.signature(cls).parameters.items()
-               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    from data.config import WORKLOAD_CONFIGS
+
+    knobs = WORKLOAD_CONFIGS[f"{cls.__module__}.{cls.__name__}"]
+    allowed = [f.name for f in dataclasses.fields(knobs) if not f.name.startswith("_")]
     if not isinstance(parameters, dict):
         raise ValueError(f"{where}: expected an object of {cls.name}'s parameters")
     unknown = sorted(set(parameters) - set(allowed))

@@ -995,9 +995,6 @@ class ReportConfig:
     out: str = knob(help="the report folder (replaced as a whole; only one this command made)")
 
     def __post_init__(self):
-        for name in ("runs", "out"):
-            if getattr(self, name) == "???":  # Hydra's mark of a required value not given
-                raise ConfigError(f"{name}: required (runs=[RUN_OR_SWEEP_DIR,...] out=REPORT_DIR)")
         if isinstance(self.runs, str):
             self.runs = [self.runs]
         if not isinstance(self.runs, (list, tuple)) or not self.runs or not all(isinstance(r, str) and r

@@ -101,10 +101,10 @@ def test_an_interrupt_keeps_the_previous_report(runs, tmp_path, capsys, monkeypa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["out=x"], "error: runs: required (runs=[RUN_OR_SWEEP_DIR,...] out=REPORT_DIR)"),
+    (["out=x"], "error: runs: required (evaluate.py run folders, sweep folders or summary.json files (a list, or one path))"),
     (["runs=[]", "out=x"], "error: runs=[]: should be a path or a non-empty list of paths"),
-    (["runs=[a]"], "error: out: required (runs=[RUN_OR_SWEEP_DIR,...] out=REPORT_DIR)"),
-    (["runs=[a]", "out=x", "colour=red"], "error: Could not override 'colour'.")])
+    (["runs=[a]"], "error: out: required (the report folder (replaced as a whole; only one this command made))"),
+    (["runs=[a]", "out=x", "colour=red"], "error: Could not override 'colour': Key 'colour' not in 'ReportConfig'")])
 def test_a_bad_setting_is_one_line_and_exit_2(argv, message, capsys):
     assert report.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[0] == message

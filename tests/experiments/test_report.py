@@ -122,7 +122,7 @@ def test_no_gain_to_keep_is_met_only_when_adaptive_is_no_worse_than_always():
 
 def sweep_rows(policies, sizes=(100000, 200000), splits=("val", "test")):
     """Rows of a memory sweep over two seeds: hit rates grow with the size, pbkv above lru."""
-    from serving_integration.experiments.presentation import make_row
+    from serving_integration.experiments.rows import make_row
 
     rows = []
     for split in splits:
