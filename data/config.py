@@ -238,12 +238,17 @@ def data_config(node, prefix: str = "data") -> DataConfig:
 # ------------------------------------------------------------------ the commands
 
 @dataclass
-class GenerateConfig(WorkloadDraw):
-    """python -m data.generate: draw workflows, split them, save the dataset to `out`."""
+class DatasetOutput:
+    """Where data.generate and data.import_traces save the dataset, and how they split it."""
 
     out: str = knob(MISSING, "the dataset directory to write", nonempty)
     overwrite: bool = knob(False, "replace `out` if an earlier data.generate / data.import_traces wrote it")
     split: SplitConfig = knob(None, "train / val / test assignment", factory=SplitConfig)
+
+
+@dataclass
+class GenerateConfig(DatasetOutput, WorkloadDraw):
+    """python -m data.generate: draw workflows, split them, save the dataset to `out`."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -251,12 +256,8 @@ class GenerateConfig(WorkloadDraw):
 
 
 @dataclass
-class ImportConfig(TraceSource):
+class ImportConfig(DatasetOutput, TraceSource):
     """python -m data.import_traces: read and validate a trace source, split it, save it to `out`."""
-
-    out: str = knob(MISSING, "the dataset directory to write", nonempty)
-    overwrite: bool = knob(False, "replace `out` if an earlier data.generate / data.import_traces wrote it")
-    split: SplitConfig = knob(None, "train / val / test assignment", factory=SplitConfig)
 
     def __post_init__(self):
         super().__post_init__()

@@ -111,25 +111,21 @@ def tokens_text(n) -> str:
     return f"{n / 1e3:g}k" if n >= 1e3 else f"{n:g}"
 
 
+SETTING_WORDS = {  # how a heading says one setting key's value
+    "gpu_tokens": lambda v: f"{tokens_text(v)} GPU tokens",
+    "concurrency": lambda v: f"{v} live workflows",
+    "horizon": lambda v: f"K={v}",
+    "gamma": lambda v: f"gamma {v}",
+    "end_signal_loss": lambda v: f"{float(v or 0):.0%} of end signals lost",
+    "replicas": lambda v: f"{v} server{'s' if v != 1 else ''}",
+    "routing": lambda v: f"{v} routing",
+    "cost_model": lambda v: f"cost model {v}",
+}
+
+
 def in_words(key: str, value) -> str:
     """One setting key and its value as a heading says it: `300k GPU tokens`, `32 live workflows`."""
-    if key == "gpu_tokens":
-        return f"{tokens_text(value)} GPU tokens"
-    if key == "concurrency":
-        return f"{value} live workflows"
-    if key == "horizon":
-        return f"K={value}"
-    if key == "gamma":
-        return f"gamma {value}"
-    if key == "end_signal_loss":
-        return f"{float(value or 0):.0%} of end signals lost"
-    if key == "replicas":
-        return f"{value} server{'s' if value != 1 else ''}"
-    if key == "routing":
-        return f"{value} routing"
-    if key == "cost_model":
-        return f"cost model {value}"
-    return str(value)
+    return SETTING_WORDS.get(key, str)(value)
 
 
 def sort_key(values) -> tuple:
