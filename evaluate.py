@@ -21,8 +21,8 @@ from omegaconf import DictConfig
 
 import data.config  # noqa: F401  (registers the data schemas conf/ names)
 from data.atomic import hydra_run_dir
-from data.errors import EXIT_CONFIG, run_reported
-from serving_integration.experiments.config import Composed, settings  # registers the schemas Hydra composes with
+from data.errors import exit_2_if_not_composed, run_reported
+from serving_integration.experiments.config import settings  # registers the schemas Hydra composes with
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot
 
@@ -52,17 +52,5 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     print(f"summary: {run_dir / 'summary.json'}")
 
 
-def cli() -> None:
-    """`python evaluate.py ...`. Hydra exits with status 1 when it cannot compose the config (a value
-    of the wrong type, an unknown key or option, named in its message): a bad setting, so status 2,
-    as for every other; a run or sweep that started keeps its own status."""
-    try:
-        main()
-    except SystemExit as e:
-        if e.code == 1 and not Composed.done:
-            sys.exit(EXIT_CONFIG)
-        raise
-
-
 if __name__ == "__main__":
-    cli()
+    exit_2_if_not_composed(main)

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import hydra_run_dir
-from data.errors import run_reported
+from data.errors import exit_2_if_not_composed, run_reported
 from models.config import train_config  # also registers the schemas conf/ names
 from models.training import optimized_value, train
 
@@ -45,4 +45,4 @@ def run(cfg: DictConfig, run_dir: Path) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_2_if_not_composed(main)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hydra.experimental.callback import Callback
+
 
 @dataclass(frozen=True)
 class Issue:
@@ -90,3 +92,32 @@ def config_error_line(e: Exception) -> str:
     if cause is not e:  # a failed override: the override's line, then why
         return f"{(str(e).strip().splitlines() or [''])[0].rstrip('.')}: {line}"
     return f"{key}: {line}" if key and key not in line else line
+
+
+def exit_2_if_not_composed(main) -> None:
+    """Run a @hydra.main entry point. Hydra exits with status 1 when it cannot compose the config
+    (a value of the wrong type, an unknown key or option, named in its message): that is a bad
+    setting, so status 2, as for every other; a run or sweep that started keeps its own status.
+    The config lists :class:`Composed` under `hydra.callbacks` to tell the two apart."""
+    import sys
+
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not Composed.done:
+            sys.exit(EXIT_CONFIG)
+        raise
+
+
+class Composed(Callback):
+    """A Hydra callback (`hydra.callbacks.composed` in conf/evaluate.yaml and conf/hydra/default.yaml):
+    records that Hydra composed the config and started the run or sweep."""
+
+    done = False
+
+    def on_run_start(self, config, **kwargs) -> None:
+        Composed.done = True
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        Composed.done = True
+

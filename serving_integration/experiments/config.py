@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from data import CONF_DIR
@@ -203,20 +202,6 @@ def check_horizon(predictor: PredictorConfig, pbkv: PbkvConfig) -> None:
     if horizon is not None and horizon != pbkv.horizon:
         raise ConfigError(f"pbkv.horizon={pbkv.horizon}: predictor.checkpoint={predictor.checkpoint} predicts "
                           f"{horizon} steps; set pbkv.horizon={horizon}")
-
-
-class Composed(Callback):
-    """A Hydra callback (conf/evaluate.yaml `hydra.callbacks`): records that Hydra composed the
-    config and started the run or sweep, so that evaluate.py can tell a config Hydra could not
-    compose (a wrong type, an unknown key: a bad setting, exit status 2) from a failed run."""
-
-    done = False
-
-    def on_run_start(self, config, **kwargs) -> None:
-        Composed.done = True
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        Composed.done = True
 
 
 def register_schemas() -> None:
