@@ -53,4 +53,4 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    exit_2_if_not_composed(main)
+    exit_2_if_not_composed(main, "evaluate")

@@ -45,4 +45,4 @@ def run(cfg: DictConfig, run_dir: Path) -> float | None:
 
 
 if __name__ == "__main__":
-    exit_2_if_not_composed(main)
+    exit_2_if_not_composed(main, "train")

@@ -94,13 +94,22 @@ def config_error_line(e: Exception) -> str:
     return f"{key}: {line}" if key and key not in line else line
 
 
-def exit_2_if_not_composed(main) -> None:
-    """Run a @hydra.main entry point. Hydra exits with status 1 when it cannot compose the config
-    (a value of the wrong type, an unknown key or option, named in its message): that is a bad
-    setting, so status 2, as for every other; a run or sweep that started keeps its own status.
-    The config lists :class:`Composed` under `hydra.callbacks` to tell the two apart."""
+def exit_2_if_not_composed(main, config_name: str) -> None:
+    """Run a @hydra.main entry point (train.py, evaluate.py) so that a bad setting is one line and
+    exit status 2, as everywhere else. A single run's overrides are first composed with Hydra's
+    compose API against the same config and schemas: an unknown key or a wrong type is then the
+    project's one line. A sweep (-m) or Hydra's own flags go to Hydra as they are; there a config
+    Hydra cannot compose still exits 2 (Hydra's own status is 1, and its message is its own): the
+    config lists :class:`Composed` under `hydra.callbacks` to tell that from a run that failed."""
     import sys
 
+    argv = sys.argv[1:]
+    if argv and not any(a.startswith("-") for a in argv):
+        from data.cli import compose_config
+
+        status = run_reported(compose_config, config_name, argv)
+        if status:
+            sys.exit(status)
     try:
         main()
     except SystemExit as e:
