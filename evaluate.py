@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 import data.config  # noqa: F401  (registers the data schemas conf/ names)
 from data.atomic import hydra_run_dir
-from data.errors import exit_2_if_not_composed, run_reported
+from data.cli import exit_2_if_not_composed
+from data.errors import run_reported
 from serving_integration.experiments.config import settings  # registers the schemas Hydra composes with
 from serving_integration.experiments.evaluation import evaluate
 from serving_integration.experiments.presentation import format_table, log_wandb, plot

@@ -19,7 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from data.atomic import hydra_run_dir
-from data.errors import exit_2_if_not_composed, run_reported
+from data.cli import exit_2_if_not_composed
+from data.errors import run_reported
 from models.config import train_config  # also registers the schemas conf/ names
 from models.training import optimized_value, train
 

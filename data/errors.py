@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hydra.experimental.callback import Callback
-
 
 @dataclass(frozen=True)
 class Issue:
@@ -92,41 +90,3 @@ def config_error_line(e: Exception) -> str:
     if cause is not e:  # a failed override: the override's line, then why
         return f"{(str(e).strip().splitlines() or [''])[0].rstrip('.')}: {line}"
     return f"{key}: {line}" if key and key not in line else line
-
-
-def exit_2_if_not_composed(main, config_name: str) -> None:
-    """Run a @hydra.main entry point (train.py, evaluate.py) so that a bad setting is one line and
-    exit status 2, as everywhere else. A single run's overrides are first composed with Hydra's
-    compose API against the same config and schemas: an unknown key or a wrong type is then the
-    project's one line. A sweep (-m) or Hydra's own flags go to Hydra as they are; there a config
-    Hydra cannot compose still exits 2 (Hydra's own status is 1, and its message is its own): the
-    config lists :class:`Composed` under `hydra.callbacks` to tell that from a run that failed."""
-    import sys
-
-    argv = sys.argv[1:]
-    if argv and not any(a.startswith("-") for a in argv):
-        from data.cli import compose_config
-
-        status = run_reported(compose_config, config_name, argv)
-        if status:
-            sys.exit(status)
-    try:
-        main()
-    except SystemExit as e:
-        if e.code == 1 and not Composed.done:
-            sys.exit(EXIT_CONFIG)
-        raise
-
-
-class Composed(Callback):
-    """A Hydra callback (`hydra.callbacks.composed` in conf/evaluate.yaml and conf/hydra/default.yaml):
-    records that Hydra composed the config and started the run or sweep."""
-
-    done = False
-
-    def on_run_start(self, config, **kwargs) -> None:
-        Composed.done = True
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        Composed.done = True
-
