@@ -1,6 +1,7 @@
-"""Shared plumbing of the commands (`python -m data.*`, and train.py and evaluate.py for their exit status): Hydra key=value overrides composed against
-conf/ (typed by the schemas of data/config.py), the settings built into their checked dataclass,
-and one way to report failures (one line on stderr; data.errors.run_reported gives the exit status)."""
+"""Shared plumbing of the commands (`python -m data.*`; train.py and evaluate.py for their exit
+status): Hydra key=value overrides composed against conf/ (typed by the schemas of data/config.py),
+the settings built into their checked dataclass, and one way to report failures (one line on
+stderr; data.errors.run_reported gives the exit status)."""
 
 from __future__ import annotations
 
