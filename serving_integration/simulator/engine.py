@@ -50,6 +50,7 @@ import numpy as np
 
 from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import replay_metrics
+from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
@@ -478,7 +479,7 @@ class Simulator:
 
     def __init__(self, workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str = "none",
-                 predictions: PredictionSource | None = None, gamma: float = 0.5,
+                 predictions: PredictionSource | None = None, gamma: float = PbkvConfig.gamma,
                  record_decisions: bool = False):
         if config.replicas < 1:
             raise ValueError(f"sim.replicas must be at least 1; got {config.replicas}")
