@@ -47,8 +47,6 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from models.base import survival
-
 INF = math.inf
 
 
@@ -58,11 +56,51 @@ class CacheNode(Protocol):
     hit_count: int
 
 
+class _WorkflowRows:
+    """One live workflow's share of the ledger as arrays: a row per node it used, holding the
+    ledger columns of the agents that used the node (first use first, -1 after them) and the
+    node's part of the score, sum_{a in A_w(c)} v_w[a]. Rows of forgotten nodes are blanked."""
+
+    __slots__ = ("row", "node", "agents", "part", "n", "value")
+
+    def __init__(self):
+        self.row: dict[int, int] = {}  # node id -> row
+        self.node = np.full(8, -1, dtype=np.int64)  # row -> node id (-1: forgotten)
+        self.agents = np.full((8, 1), -1, dtype=np.int64)  # row -> agent columns, -1 padded
+        self.part = np.zeros(8)  # row -> sum of v_w over the row's agents
+        self.n = 0
+        self.value: list[float] | None = None  # v_w by ledger column, None before a prediction
+
+    def add(self, node_id: int) -> int:
+        r = self.n
+        if r == len(self.node):
+            grow = len(self.node)
+            self.node = np.concatenate([self.node, np.full(grow, -1, dtype=np.int64)])
+            self.agents = np.concatenate([self.agents, np.full((grow, self.agents.shape[1]), -1, dtype=np.int64)])
+            self.part = np.concatenate([self.part, np.zeros(grow)])
+        self.row[node_id], self.node[r], self.n = r, node_id, r + 1
+        return r
+
+    def set_agent(self, r: int, slot: int, column: int) -> None:
+        if slot == self.agents.shape[1]:
+            self.agents = np.concatenate([self.agents, np.full((len(self.agents), 1), -1, dtype=np.int64)], axis=1)
+        self.agents[r, slot] = column
+
+    def drop(self, node_id: int) -> None:
+        r = self.row.pop(node_id)
+        self.node[r], self.agents[r], self.part[r] = -1, -1, 0.0
+
+
 class WorkflowLedger:
     """Which live workflows, and which of their agents, used each cache node; their predictions.
 
     Ordered dicts stand in for sets throughout, so iteration order (and with it every tie) is
-    the same in every run."""
+    the same in every run. Each node's score is kept current as the ledger changes, so an
+    eviction reads it without recomputing it: a workflow's new prediction re-scores all the
+    nodes it used in one vectorised step over its rows (`_WorkflowRows`), and only nodes other
+    workflows used too are summed over their users one by one. Sums run in the same order as
+    the definition (users in first-use order, each one's agents in first-use order), so a score
+    is the same float however it was reached."""
 
     def __init__(self, gamma: float = 0.5):
         self.gamma = gamma
@@ -72,30 +110,63 @@ class WorkflowLedger:
         self.next_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> s^(1) P^(1)[agent]
         self.steps_to: dict[str, dict[str, int]] = {}  # workflow -> agent -> first k it is the argmax
         self.unchecked: dict[str, None] = {}  # workflows whose latest prediction no call has tested yet
+        self.columns: dict[str, int] = {}  # agent -> its column in the workflows' rows and values
+        self._rows: dict[str, _WorkflowRows] = {}  # live workflow -> its rows
+        self._score = np.zeros(1024)  # node id -> Score(node), current
+        self._owners = np.zeros(1024, dtype=np.int64)  # node id -> live workflows that used it
+        self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, workflow: str) -> None:
         self.nodes_of.setdefault(workflow, {})
+        self._rows.setdefault(workflow, _WorkflowRows())
 
     def is_live(self, workflow: str) -> bool:
         return workflow in self.nodes_of
 
+    def _fit(self, node_id: int) -> None:
+        if node_id >= len(self._score):
+            extra = max(len(self._score), node_id + 1 - len(self._score))
+            self._score = np.concatenate([self._score, np.zeros(extra)])
+            self._owners = np.concatenate([self._owners, np.zeros(extra, dtype=np.int64)])
+
     def record_access(self, node_id: int, workflow: str, agent: str) -> None:
-        if workflow not in self.nodes_of:  # unknown or already ended: the node stays unowned
+        nodes = self.nodes_of.get(workflow)
+        if nodes is None:  # unknown or already ended: the node stays unowned
             return
-        self.users.setdefault(node_id, {}).setdefault(workflow, {})[agent] = None
-        self.nodes_of[workflow][node_id] = None
+        owners = self.users.setdefault(node_id, {})
+        agents = owners.get(workflow)
+        rows = self._rows[workflow]
+        if agents is None:
+            agents = owners[workflow] = {}
+            nodes[node_id] = None
+            self._fit(node_id)
+            self._owners[node_id] += 1
+            r = rows.add(node_id)
+        elif agent in agents:
+            return
+        else:
+            r = rows.row[node_id]
+        agents[agent] = None
+        rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
+        if rows.value is not None:
+            rows.part[r] = self._part(rows, r)
+            self._rescore(node_id)
 
     def end(self, workflow: str) -> list[int]:
         """Retire a workflow; returns the nodes it used (their priorities changed)."""
         nodes = list(self.nodes_of.pop(workflow, {}))
+        self._rows.pop(workflow, None)
         for node_id in nodes:
             owners = self.users.get(node_id)
-            if owners is not None:
-                owners.pop(workflow, None)
-                if not owners:
+            if owners is not None and owners.pop(workflow, None) is not None:
+                self._owners[node_id] -= 1
+                if owners:
+                    self._rescore(node_id)
+                else:
                     del self.users[node_id]
+                    self._score[node_id] = 0.0
         for table in (self.reuse_value, self.next_value, self.steps_to, self.unchecked):
             table.pop(workflow, None)
         return nodes
@@ -106,43 +177,110 @@ class WorkflowLedger:
         if not owners:
             return
         self.users[prefix_id] = {w: dict(agents) for w, agents in owners.items()}
+        self._fit(prefix_id)
         for w in owners:
             self.nodes_of[w][prefix_id] = None
+            rows = self._rows[w]
+            suffix_row = rows.row[suffix_id]
+            r = rows.add(prefix_id)
+            rows.agents[r], rows.part[r] = rows.agents[suffix_row], rows.part[suffix_row]
+        self._owners[prefix_id], self._score[prefix_id] = self._owners[suffix_id], self._score[suffix_id]
 
     def forget(self, node_id: int) -> None:
         for w in self.users.pop(node_id, {}):
             self.nodes_of[w].pop(node_id, None)
+            self._rows[w].drop(node_id)
+        if node_id < len(self._score):
+            self._score[node_id], self._owners[node_id] = 0.0, 0
+
+    # ---------------------------------------------------------------- scores
+
+    @staticmethod
+    def _part(rows: _WorkflowRows, r: int) -> float:
+        """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
+        value = rows.value
+        return sum(value[c] for c in rows.agents[r].tolist() if 0 <= c < len(value))
+
+    def _rescore(self, node_id: int) -> None:
+        """Score(c) = sum over the node's users, first user first, of their parts."""
+        total = 0.0
+        for w in self.users[node_id]:
+            rows = self._rows[w]
+            if rows.value is not None:
+                total += rows.part[rows.row[node_id]]
+        self._score[node_id] = total
+
+    def _rescore_workflow(self, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
+        """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
+        step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
+        rows.value = value[:-1].tolist()
+        n = rows.n
+        if not n:
+            return []
+        agents = rows.agents[:n]
+        part = value[agents[:, 0]]
+        for slot in range(1, agents.shape[1]):  # column by column: the same order as a sum over the agents
+            part = part + value[agents[:, slot]]
+        rows.part[:n] = part
+        live = rows.node[:n] >= 0
+        ids, part = rows.node[:n][live], part[live]
+        before = self._score[ids]
+        only = self._owners[ids] == 1
+        self._score[ids[only]] = part[only]
+        for node_id in ids[~only].tolist():
+            self._rescore(node_id)
+        return ids[self._score[ids] != before].tolist()
+
+    def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
+        names, length, columns = self._name_columns
+        if names is not agent_names or length != len(agent_names):  # a source's names may grow in place
+            columns = np.array([self.columns.setdefault(a, len(self.columns)) for a in agent_names], dtype=np.int64)
+            self._name_columns = (agent_names, len(agent_names), columns)
+        return columns
 
     # ---------------------------------------------------------------- predictions
 
-    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs: torch.Tensor,
-                        steps: Sequence[dict[str, int]] | None = None) -> None:
-        """probs: [B, K, A+1] for B workflows, END last (a predictor's output). `steps`: each
-        workflow's steps-to-execution per agent, from an agent step graph (KVFlow); without it,
-        the first k at which the agent is the likeliest and more likely than END."""
-        probs = probs.detach().to(torch.float64).cpu()
-        alive = survival(probs).numpy()  # [B, K]
-        probs = probs.numpy()
+    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs,
+                        steps: Sequence[dict[str, int]] | None = None) -> list[int]:
+        """probs: [B, K, A+1] for B workflows, END last (a predictor's output; a tensor or an
+        array). `steps`: each workflow's steps-to-execution per agent, from an agent step graph
+        (KVFlow); without it, the first k at which the agent is the likeliest and more likely
+        than END. Returns the nodes whose priority may have changed: those whose score did, and
+        every node of a workflow whose steps-to-execution did."""
+        if isinstance(probs, torch.Tensor):
+            probs = probs.detach().cpu().numpy()
+        probs = np.asarray(probs, dtype=np.float64)
+        end_hazard = probs[..., -1]
+        alive = np.cumprod(np.concatenate([np.ones_like(end_hazard[..., :1]), 1.0 - end_hazard[..., :-1]], axis=-1),
+                           axis=-1)  # s^(k), models.base.survival
         discount = self.gamma ** np.arange(probs.shape[1])
         agents = probs[..., :-1]
         value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
         likeliest = agents.argmax(axis=-1)  # [B, K]
         beats_end = agents.max(axis=-1) > probs[..., -1]
-        for i, w in enumerate(workflows):
+        columns = self._columns_of(agent_names)
+        by_column = np.zeros((len(value), len(self.columns) + 1))  # the last column: rows' padding
+        by_column[:, columns] = value
+        changed: list[int] = []
+        given = steps if steps is not None else [None] * len(workflows)
+        for i, (w, w_steps) in enumerate(zip(workflows, given)):
             if w not in self.nodes_of:
                 continue
             self.reuse_value[w] = dict(zip(agent_names, value[i].tolist()))
             self.next_value[w] = dict(zip(agent_names, agents[i, 0].tolist()))  # s^(1) = 1
-            first: dict[str, int] = {}
-            for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
-                if alive_k:
-                    first.setdefault(agent_names[a], k)
-            self.steps_to[w] = first
+            if w_steps is None:
+                w_steps = {}
+                for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
+                    if alive_k:
+                        w_steps.setdefault(agent_names[a], k)
+            else:
+                w_steps = dict(w_steps)
+            if self.steps_to.get(w) != w_steps:
+                changed.extend(self.nodes_of[w])
+            self.steps_to[w] = w_steps
             self.unchecked[w] = None
-        if steps is not None:
-            for w, given in zip(workflows, steps):
-                if w in self.nodes_of:
-                    self.steps_to[w] = dict(given)
+            changed.extend(self._rescore_workflow(self._rows[w], by_column[i]))
+        return changed
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:
         """A call of `agent` arrived in `workflow`: the probability the workflow's latest prediction
@@ -166,7 +304,7 @@ class WorkflowLedger:
         return total
 
     def score(self, node_id: int) -> float:
-        return self._weighted(node_id, self.reuse_value)
+        return float(self._score[node_id]) if node_id in self.users else 0.0
 
     def next_step_score(self, node_id: int) -> float:
         return self._weighted(node_id, self.next_value)

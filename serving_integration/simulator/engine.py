@@ -390,9 +390,9 @@ class Server:
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
-        self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
-        for w in batch:
-            self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
+        changed = self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
+        if self.policy.uses_predictions:  # the other orders do not read predictions
+            self.tree.refresh_ids(changed)
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
         charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
