@@ -42,7 +42,7 @@ anew on every eviction pass, so the plugin needs nothing more.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,13 @@ class CacheNode(Protocol):
     id: int
     last_access_time: float
     hit_count: int
+
+
+class Changed(NamedTuple):
+    """Nodes a new prediction changed: their score, or their steps-to-execution (KVFlow)."""
+
+    scores: list[int]
+    steps: list[int]
 
 
 class _WorkflowRows:
@@ -241,12 +248,12 @@ class WorkflowLedger:
     # ---------------------------------------------------------------- predictions
 
     def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs,
-                        steps: Sequence[dict[str, int]] | None = None) -> list[int]:
+                        steps: Sequence[dict[str, int]] | None = None) -> Changed:
         """probs: [B, K, A+1] for B workflows, END last (a predictor's output; a tensor or an
         array). `steps`: each workflow's steps-to-execution per agent, from an agent step graph
         (KVFlow); without it, the first k at which the agent is the likeliest and more likely
-        than END. Returns the nodes whose priority may have changed: those whose score did, and
-        every node of a workflow whose steps-to-execution did."""
+        than END. Returns the nodes whose score changed, and every node of a workflow whose
+        steps-to-execution changed (a policy's `changed_by` says which of them it reorders)."""
         if isinstance(probs, torch.Tensor):
             probs = probs.detach().cpu().numpy()
         probs = np.asarray(probs, dtype=np.float64)
@@ -261,7 +268,7 @@ class WorkflowLedger:
         columns = self._columns_of(agent_names)
         by_column = np.zeros((len(value), len(self.columns) + 1))  # the last column: rows' padding
         by_column[:, columns] = value
-        changed: list[int] = []
+        changed = Changed([], [])
         given = steps if steps is not None else [None] * len(workflows)
         for i, (w, w_steps) in enumerate(zip(workflows, given)):
             if w not in self.nodes_of:
@@ -276,10 +283,10 @@ class WorkflowLedger:
             else:
                 w_steps = dict(w_steps)
             if self.steps_to.get(w) != w_steps:
-                changed.extend(self.nodes_of[w])
+                changed.steps.extend(self.nodes_of[w])
             self.steps_to[w] = w_steps
             self.unchecked[w] = None
-            changed.extend(self._rescore_workflow(self._rows[w], by_column[i]))
+            changed.scores.extend(self._rescore_workflow(self._rows[w], by_column[i]))
         return changed
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:
@@ -332,6 +339,10 @@ class EvictionPolicy:
 
     def on_evict(self, node: CacheNode) -> None:
         """Called when a node leaves the GPU (KVFlow's parents inherit from children)."""
+
+    def changed_by(self, changed: Changed) -> list[int]:
+        """The nodes whose priority a new prediction changed (WorkflowLedger.set_predictions)."""
+        return []
 
     def observe_call(self, workflow: str, agent: str) -> bool:
         """Called when a call arrives; True when every node's priority changed at once (the
@@ -427,6 +438,9 @@ class PBKV(_LedgerPolicy):
     def trusted(self) -> bool:
         return self.meter is None or self.meter.trusted
 
+    def changed_by(self, changed):
+        return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
+
     def observe_call(self, workflow, agent):
         if self.meter is None:
             return False
@@ -451,6 +465,9 @@ class KVFlow(_LedgerPolicy):
         super().__init__(ledger)
         self.hold_step = hold_step
         self._inherited: dict[int, float] = {}
+
+    def changed_by(self, changed):
+        return changed.steps
 
     def steps(self, node) -> float:
         return max(self.ledger.steps_to_execution(node.id, self.hold_step), self._inherited.get(node.id, 0))
@@ -478,6 +495,9 @@ class Oracle(_LedgerPolicy):
     def __init__(self, ledger: WorkflowLedger, next_use: Callable[[CacheNode], float]):
         super().__init__(ledger)
         self.next_use = next_use
+
+    def changed_by(self, changed):
+        return changed.scores
 
     def priority(self, node):
         return (-self.next_use(node), self.ledger.score(node.id), node.last_access_time)

@@ -39,7 +39,7 @@ import numpy as np
 from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource, tell_finished
+from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.radix import Node, RadixTree
@@ -391,8 +391,7 @@ class Server:
         steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
         changed = self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
-        if self.policy.uses_predictions:  # the other orders do not read predictions
-            self.tree.refresh_ids(changed)
+        self.tree.refresh_ids(self.policy.changed_by(changed))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
         charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
@@ -462,6 +461,7 @@ class Simulator:
         self.workflows, self.config, self.cost = workflows, config, cost
         self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
         self.predictions = predictions
+        tabulate(predictions, workflows)  # every prefix's prediction, before the replay
         self.servers = [Server(self, i, config.gpu_tokens // config.replicas, policy, policy_options, prefetch, gamma,
                                record_decisions) for i in range(config.replicas)]
         first = self.servers[0]
