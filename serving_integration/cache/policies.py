@@ -64,27 +64,26 @@ class Changed(NamedTuple):
 
 
 class _WorkflowRows:
-    """One live workflow's share of the ledger as arrays: a row per node it used, holding the
-    ledger columns of the agents that used the node (first use first, -1 after them) and the
-    node's part of the score, sum_{a in A_w(c)} v_w[a]. Rows of forgotten nodes are blanked."""
+    """One live workflow's share of the ledger as arrays: a row per node it used (in no particular
+    order), holding the ledger columns of the agents that used the node (first use first, -1
+    after them) and the node's part of the score, sum_{a in A_w(c)} v_w[a]."""
 
     __slots__ = ("row", "node", "agents", "part", "n", "value")
 
     def __init__(self):
         self.row: dict[int, int] = {}  # node id -> row
-        self.node = np.full(8, -1, dtype=np.int64)  # row -> node id (-1: forgotten)
+        self.node = np.zeros(8, dtype=np.int64)  # row -> node id
         self.agents = np.full((8, 1), -1, dtype=np.int64)  # row -> agent columns, -1 padded
         self.part = np.zeros(8)  # row -> sum of v_w over the row's agents
         self.n = 0
-        self.value: list[float] | None = None  # v_w by ledger column, None before a prediction
+        self.value: np.ndarray | None = None  # v_w by ledger column and a 0 (the padding's), None before a prediction
 
     def add(self, node_id: int) -> int:
         r = self.n
         if r == len(self.node):
-            grow = len(self.node)
-            self.node = np.concatenate([self.node, np.full(grow, -1, dtype=np.int64)])
-            self.agents = np.concatenate([self.agents, np.full((grow, self.agents.shape[1]), -1, dtype=np.int64)])
-            self.part = np.concatenate([self.part, np.zeros(grow)])
+            self.node = np.concatenate([self.node, np.zeros(r, dtype=np.int64)])
+            self.agents = np.concatenate([self.agents, np.full((r, self.agents.shape[1]), -1, dtype=np.int64)])
+            self.part = np.concatenate([self.part, np.zeros(r)])
         self.row[node_id], self.node[r], self.n = r, node_id, r + 1
         return r
 
@@ -94,8 +93,14 @@ class _WorkflowRows:
         self.agents[r, slot] = column
 
     def drop(self, node_id: int) -> None:
-        r = self.row.pop(node_id)
-        self.node[r], self.agents[r], self.part[r] = -1, -1, 0.0
+        """Forget a node's row: the last row takes its place."""
+        r, last = self.row.pop(node_id), self.n - 1
+        if r != last:
+            moved = int(self.node[last])
+            self.node[r], self.agents[r], self.part[r] = moved, self.agents[last], self.part[last]
+            self.row[moved] = r
+        self.agents[last] = -1
+        self.n = last
 
 
 class WorkflowLedger:
@@ -206,7 +211,7 @@ class WorkflowLedger:
     def _part(rows: _WorkflowRows, r: int) -> float:
         """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
         value = rows.value
-        return sum(value[c] for c in rows.agents[r].tolist() if 0 <= c < len(value))
+        return sum(value[c] for c in rows.agents[r].tolist() if 0 <= c < len(value) - 1)
 
     def _rescore(self, node_id: int) -> None:
         """Score(c) = sum over the node's users, first user first, of their parts."""
@@ -220,7 +225,7 @@ class WorkflowLedger:
     def _rescore_workflow(self, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
         """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
         step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
-        rows.value = value[:-1].tolist()
+        rows.value = value
         n = rows.n
         if not n:
             return []
@@ -229,13 +234,15 @@ class WorkflowLedger:
         for slot in range(1, agents.shape[1]):  # column by column: the same order as a sum over the agents
             part = part + value[agents[:, slot]]
         rows.part[:n] = part
-        live = rows.node[:n] >= 0
-        ids, part = rows.node[:n][live], part[live]
+        ids = rows.node[:n]
         before = self._score[ids]
         only = self._owners[ids] == 1
-        self._score[ids[only]] = part[only]
-        for node_id in ids[~only].tolist():
-            self._rescore(node_id)
+        if only.all():
+            self._score[ids] = part
+        else:
+            self._score[ids[only]] = part[only]
+            for node_id in ids[~only].tolist():
+                self._rescore(node_id)
         return ids[self._score[ids] != before].tolist()
 
     def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
@@ -258,8 +265,9 @@ class WorkflowLedger:
             probs = probs.detach().cpu().numpy()
         probs = np.asarray(probs, dtype=np.float64)
         end_hazard = probs[..., -1]
-        alive = np.cumprod(np.concatenate([np.ones_like(end_hazard[..., :1]), 1.0 - end_hazard[..., :-1]], axis=-1),
-                           axis=-1)  # s^(k), models.base.survival
+        alive = np.empty_like(end_hazard)  # s^(k) = prod_{j<k} (1 - P^(j)[END]), models.base.survival
+        alive[:, 0] = 1.0
+        np.cumprod(1.0 - end_hazard[:, :-1], axis=-1, out=alive[:, 1:])
         discount = self.gamma ** np.arange(probs.shape[1])
         agents = probs[..., :-1]
         value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
