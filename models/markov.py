@@ -51,6 +51,7 @@ def count_contexts(sequences: Sequence[Sequence[int]], order: int, end: int) -> 
 
 class MarkovPredictor(Predictor):
     family = "markov"
+    batch_invariant = True  # each prefix's row is looked up in `table`
 
     def __init__(self, agent_names, horizon: int, order: int = 2, alpha: float = 0.1, backoff: float = 1.0,
                  contexts: list[list[int]] | None = None, context_counts: Tensor | None = None,

@@ -129,6 +129,10 @@ class ModelSource(_Tabled):
         self.predictor = predictor
         self.agent_names, self.horizon = predictor.agent_names, predictor.horizon
 
+    @property
+    def batch_invariant(self) -> bool:
+        return getattr(self.predictor, "batch_invariant", False)
+
     def predict_uncached(self, workflows):
         return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
 
