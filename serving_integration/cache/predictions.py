@@ -123,15 +123,18 @@ class _Tabled:
 
 
 class ModelSource(_Tabled):
-    """A trained predictor (train.py checkpoint)."""
+    """A trained predictor (train.py checkpoint). Tabled before a replay when its rows do not
+    depend on the batch (`Predictor.batch_invariant`), or when `tabulate=True` asks for it: a
+    network's tabled rows then differ from per-step batches in float32 rounding (a few 1e-7),
+    so the replay is the same model's but not bit for bit the per-step replay."""
 
-    def __init__(self, predictor):
-        self.predictor = predictor
+    def __init__(self, predictor, tabulate: bool = False):
+        self.predictor, self.tabulate = predictor, tabulate
         self.agent_names, self.horizon = predictor.agent_names, predictor.horizon
 
     @property
     def batch_invariant(self) -> bool:
-        return getattr(self.predictor, "batch_invariant", False)
+        return self.tabulate or getattr(self.predictor, "batch_invariant", False)
 
     def predict_uncached(self, workflows):
         return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
@@ -218,20 +221,20 @@ class OnlineBackoff:
             self.last.pop(wf_id, None)
         for w in workflows:
             self._fold(w)
-        model = self.inner.predict(workflows).to(torch.float64)
+        model = self.inner.predict(workflows).numpy().astype(np.float64)  # numpy: torch's float64 arithmetic, less overhead
         names = self.agent_names
         n_model, n = model.shape[-1] - 1, len(names)
-        out_model = torch.zeros(len(workflows), self.horizon, n + 1, dtype=torch.float64)
+        out_model = np.zeros((len(workflows), self.horizon, n + 1))
         out_model[..., :n_model] = model[..., :-1]
         out_model[..., n] = model[..., -1]
-        backoff = out_model.clone()
+        backoff = out_model.copy()
         for b, w in enumerate(workflows):
             current = w.agents[-1]
             for k in range(self.horizon):
                 seen = self.counts.get((current, k + 1))
                 if not seen:
                     continue
-                counts = torch.zeros(n + 1, dtype=torch.float64)
+                counts = np.zeros(n + 1)
                 for nxt, c in seen.items():
                     counts[n if nxt is None else self.index[nxt]] = c
                 backoff[b, k] = (counts + self.beta * out_model[b, k]) / (counts.sum() + self.beta)
@@ -239,8 +242,8 @@ class OnlineBackoff:
             ends = {None: float(out_model[b, 0, n])}, {None: float(backoff[b, 0, n])}
             self.last[w.id] = tuple({**dict(zip(names, p[b, 0, :n].tolist())), **e}
                                     for p, e in zip((out_model, backoff), ends))
-        weight = torch.as_tensor(self.weights, dtype=torch.float64)
-        return (weight[0] * out_model + weight[1] * backoff).to(model.dtype)
+        weight = self.weights
+        return torch.from_numpy(weight[0] * out_model + weight[1] * backoff)  # float64
 
 
 class PerfectSource(_Tabled):
