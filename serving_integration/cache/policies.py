@@ -42,6 +42,8 @@ anew on every eviction pass, so the plugin needs nothing more.
 from __future__ import annotations
 
 import math
+import operator
+from functools import reduce
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -84,7 +86,7 @@ class _WorkflowRows:
             self.node = np.concatenate([self.node, np.zeros(r, dtype=np.int64)])
             self.agents = np.concatenate([self.agents, np.full((r, self.agents.shape[1]), -1, dtype=np.int64)])
             self.part = np.concatenate([self.part, np.zeros(r)])
-        self.row[node_id], self.node[r], self.n = r, node_id, r + 1
+        self.row[node_id], self.node[r], self.part[r], self.n = r, node_id, 0.0, r + 1
         return r
 
     def set_agent(self, r: int, slot: int, column: int) -> None:
@@ -126,6 +128,10 @@ class WorkflowLedger:
         self._rows: dict[str, _WorkflowRows] = {}  # live workflow -> its rows
         self._score = np.zeros(1024)  # node id -> Score(node), current
         self._owners = np.zeros(1024, dtype=np.int64)  # node id -> live workflows that used it
+        # node id -> workflow -> its part of the node's score, in the order of `users`; exact while
+        # the node has two or more users (set from the rows when it gets its second)
+        self._parts: dict[int, dict[str, float]] = {}
+        self._discounts: dict[int, np.ndarray] = {}  # horizon K -> gamma^(k-1), k = 1..K
         self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
 
     # ---------------------------------------------------------------- lifecycle
@@ -156,6 +162,12 @@ class WorkflowLedger:
             self._fit(node_id)
             self._owners[node_id] += 1
             r = rows.add(node_id)
+            parts = self._parts.setdefault(node_id, {})
+            parts[workflow] = 0.0
+            if len(owners) == 2:  # shared from now on: its parts are kept per user
+                for w in owners:
+                    user_rows = self._rows[w]
+                    parts[w] = float(user_rows.part[user_rows.row[node_id]])
         elif agent in agents:
             return
         else:
@@ -163,7 +175,7 @@ class WorkflowLedger:
         agents[agent] = None
         rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
         if rows.value is not None:
-            rows.part[r] = self._part(rows, r)
+            rows.part[r] = self._parts[node_id][workflow] = self._part(rows, r)
             self._rescore(node_id)
 
     def end(self, workflow: str) -> list[int]:
@@ -174,10 +186,11 @@ class WorkflowLedger:
             owners = self.users.get(node_id)
             if owners is not None and owners.pop(workflow, None) is not None:
                 self._owners[node_id] -= 1
+                self._parts[node_id].pop(workflow, None)
                 if owners:
                     self._rescore(node_id)
                 else:
-                    del self.users[node_id]
+                    del self.users[node_id], self._parts[node_id]
                     self._score[node_id] = 0.0
         for table in (self.reuse_value, self.next_value, self.steps_to, self.unchecked):
             table.pop(workflow, None)
@@ -189,6 +202,7 @@ class WorkflowLedger:
         if not owners:
             return
         self.users[prefix_id] = {w: dict(agents) for w, agents in owners.items()}
+        self._parts[prefix_id] = dict(self._parts[suffix_id])
         self._fit(prefix_id)
         for w in owners:
             self.nodes_of[w][prefix_id] = None
@@ -199,6 +213,7 @@ class WorkflowLedger:
         self._owners[prefix_id], self._score[prefix_id] = self._owners[suffix_id], self._score[suffix_id]
 
     def forget(self, node_id: int) -> None:
+        self._parts.pop(node_id, None)
         for w in self.users.pop(node_id, {}):
             self.nodes_of[w].pop(node_id, None)
             self._rows[w].drop(node_id)
@@ -214,15 +229,11 @@ class WorkflowLedger:
         return sum(value[c] for c in rows.agents[r].tolist() if 0 <= c < len(value) - 1)
 
     def _rescore(self, node_id: int) -> None:
-        """Score(c) = sum over the node's users, first user first, of their parts."""
-        total = 0.0
-        for w in self.users[node_id]:
-            rows = self._rows[w]
-            if rows.value is not None:
-                total += rows.part[rows.row[node_id]]
-        self._score[node_id] = total
+        """Score(c) = sum over the node's users, first user first, of their parts (left to right,
+        as a loop adds them; a workflow without predictions adds 0)."""
+        self._score[node_id] = reduce(operator.add, self._parts[node_id].values(), 0.0)
 
-    def _rescore_workflow(self, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
+    def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
         """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
         step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
         rows.value = value
@@ -241,9 +252,17 @@ class WorkflowLedger:
             self._score[ids] = part
         else:
             self._score[ids[only]] = part[only]
-            for node_id in ids[~only].tolist():
+            shared = ~only
+            for node_id, node_part in zip(ids[shared].tolist(), part[shared].tolist()):
+                self._parts[node_id][workflow] = node_part
                 self._rescore(node_id)
         return ids[self._score[ids] != before].tolist()
+
+    def _discount(self, horizon: int) -> np.ndarray:
+        """gamma^(k-1), k = 1..K."""
+        if horizon not in self._discounts:
+            self._discounts[horizon] = self.gamma ** np.arange(horizon)
+        return self._discounts[horizon]
 
     def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
         names, length, columns = self._name_columns
@@ -268,7 +287,7 @@ class WorkflowLedger:
         alive = np.empty_like(end_hazard)  # s^(k) = prod_{j<k} (1 - P^(j)[END]), models.base.survival
         alive[:, 0] = 1.0
         np.cumprod(1.0 - end_hazard[:, :-1], axis=-1, out=alive[:, 1:])
-        discount = self.gamma ** np.arange(probs.shape[1])
+        discount = self._discount(probs.shape[1])
         agents = probs[..., :-1]
         value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
         likeliest = agents.argmax(axis=-1)  # [B, K]
@@ -294,7 +313,7 @@ class WorkflowLedger:
                 changed.steps.extend(self.nodes_of[w])
             self.steps_to[w] = w_steps
             self.unchecked[w] = None
-            changed.scores.extend(self._rescore_workflow(self._rows[w], by_column[i]))
+            changed.scores.extend(self._rescore_workflow(w, self._rows[w], by_column[i]))
         return changed
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:
