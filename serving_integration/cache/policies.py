@@ -66,43 +66,44 @@ class Changed(NamedTuple):
 
 
 class _WorkflowRows:
-    """One live workflow's share of the ledger as arrays: a row per node it used (in no particular
-    order), holding the ledger columns of the agents that used the node (first use first, -1
-    after them) and the node's part of the score, sum_{a in A_w(c)} v_w[a]."""
+    """One live workflow's share of the ledger: a row per node it used (in no particular order),
+    holding the ledger columns of the agents that used the node (first use first, padded with -1
+    to a common width, so the rows are one array when a prediction comes) and the node's part of
+    the score, sum_{a in A_w(c)} v_w[a]. Plain lists: a call's accesses append to them cheaply."""
 
-    __slots__ = ("row", "node", "agents", "part", "n", "value")
+    __slots__ = ("row", "nodes", "agents", "part", "width", "shared", "value")
 
     def __init__(self):
         self.row: dict[int, int] = {}  # node id -> row
-        self.node = np.zeros(8, dtype=np.int64)  # row -> node id
-        self.agents = np.full((8, 1), -1, dtype=np.int64)  # row -> agent columns, -1 padded
-        self.part = np.zeros(8)  # row -> sum of v_w over the row's agents
-        self.n = 0
+        self.nodes: list[int] = []  # row -> node id
+        self.agents: list[list[int]] = []  # row -> agent columns, -1 padded to `width`
+        self.part: list[float] = []  # row -> sum of v_w over the row's agents
+        self.width = 1
+        self.shared: dict[int, None] = {}  # its nodes that other live workflows used too
         self.value: np.ndarray | None = None  # v_w by ledger column and a 0 (the padding's), None before a prediction
 
-    def add(self, node_id: int) -> int:
-        r = self.n
-        if r == len(self.node):
-            self.node = np.concatenate([self.node, np.zeros(r, dtype=np.int64)])
-            self.agents = np.concatenate([self.agents, np.full((r, self.agents.shape[1]), -1, dtype=np.int64)])
-            self.part = np.concatenate([self.part, np.zeros(r)])
-        self.row[node_id], self.node[r], self.part[r], self.n = r, node_id, 0.0, r + 1
+    def add(self, node_id: int, agents: list[int] | None = None, part: float = 0.0) -> int:
+        self.row[node_id] = r = len(self.nodes)
+        self.nodes.append(node_id)
+        self.agents.append(list(agents) if agents else [-1] * self.width)
+        self.part.append(part)
         return r
 
     def set_agent(self, r: int, slot: int, column: int) -> None:
-        if slot == self.agents.shape[1]:
-            self.agents = np.concatenate([self.agents, np.full((len(self.agents), 1), -1, dtype=np.int64)], axis=1)
-        self.agents[r, slot] = column
+        if slot == self.width:
+            self.width += 1
+            for agents in self.agents:
+                agents.append(-1)
+        self.agents[r][slot] = column
 
     def drop(self, node_id: int) -> None:
         """Forget a node's row: the last row takes its place."""
-        r, last = self.row.pop(node_id), self.n - 1
-        if r != last:
-            moved = int(self.node[last])
-            self.node[r], self.agents[r], self.part[r] = moved, self.agents[last], self.part[last]
+        r = self.row.pop(node_id)
+        self.shared.pop(node_id, None)
+        moved, agents, part = self.nodes.pop(), self.agents.pop(), self.part.pop()
+        if moved != node_id:
+            self.nodes[r], self.agents[r], self.part[r] = moved, agents, part
             self.row[moved] = r
-        self.agents[last] = -1
-        self.n = last
 
 
 class WorkflowLedger:
@@ -110,11 +111,12 @@ class WorkflowLedger:
 
     Ordered dicts stand in for sets throughout, so iteration order (and with it every tie) is
     the same in every run. Each node's score is kept current as the ledger changes, so an
-    eviction reads it without recomputing it: a workflow's new prediction re-scores all the
-    nodes it used in one vectorised step over its rows (`_WorkflowRows`), and only nodes other
-    workflows used too are summed over their users one by one. Sums run in the same order as
-    the definition (users in first-use order, each one's agents in first-use order), so a score
-    is the same float however it was reached."""
+    eviction reads it without recomputing it: a workflow's new prediction computes the parts of
+    all the nodes it used in one vectorised step over its rows (`_WorkflowRows`) and sets the
+    scores of the nodes only it used from them; only nodes other live workflows used too are
+    summed over their users. Sums run in the definition's order (users in first-use order, each
+    one's agents in first-use order, left to right), so a score is the same float however it
+    was reached."""
 
     def __init__(self, gamma: float = 0.5):
         self.gamma = gamma
@@ -126,10 +128,8 @@ class WorkflowLedger:
         self.unchecked: dict[str, None] = {}  # workflows whose latest prediction no call has tested yet
         self.columns: dict[str, int] = {}  # agent -> its column in the workflows' rows and values
         self._rows: dict[str, _WorkflowRows] = {}  # live workflow -> its rows
-        self._score = np.zeros(1024)  # node id -> Score(node), current
-        self._owners = np.zeros(1024, dtype=np.int64)  # node id -> live workflows that used it
-        # node id -> workflow -> its part of the node's score, in the order of `users`; exact while
-        # the node has two or more users (set from the rows when it gets its second)
+        self._score: dict[int, float] = {}  # node id -> Score(node), current (absent: 0)
+        # shared node id -> workflow -> its part of the node's score, in the order of `users`
         self._parts: dict[int, dict[str, float]] = {}
         self._discounts: dict[int, np.ndarray] = {}  # horizon K -> gamma^(k-1), k = 1..K
         self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
@@ -143,12 +143,6 @@ class WorkflowLedger:
     def is_live(self, workflow: str) -> bool:
         return workflow in self.nodes_of
 
-    def _fit(self, node_id: int) -> None:
-        if node_id >= len(self._score):
-            extra = max(len(self._score), node_id + 1 - len(self._score))
-            self._score = np.concatenate([self._score, np.zeros(extra)])
-            self._owners = np.concatenate([self._owners, np.zeros(extra, dtype=np.int64)])
-
     def record_access(self, node_id: int, workflow: str, agent: str) -> None:
         nodes = self.nodes_of.get(workflow)
         if nodes is None:  # unknown or already ended: the node stays unowned
@@ -159,15 +153,9 @@ class WorkflowLedger:
         if agents is None:
             agents = owners[workflow] = {}
             nodes[node_id] = None
-            self._fit(node_id)
-            self._owners[node_id] += 1
             r = rows.add(node_id)
-            parts = self._parts.setdefault(node_id, {})
-            parts[workflow] = 0.0
-            if len(owners) == 2:  # shared from now on: its parts are kept per user
-                for w in owners:
-                    user_rows = self._rows[w]
-                    parts[w] = float(user_rows.part[user_rows.row[node_id]])
+            if len(owners) > 1:
+                self._share(node_id, owners)
         elif agent in agents:
             return
         else:
@@ -175,8 +163,27 @@ class WorkflowLedger:
         agents[agent] = None
         rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
         if rows.value is not None:
-            rows.part[r] = self._parts[node_id][workflow] = self._part(rows, r)
-            self._rescore(node_id)
+            rows.part[r] = part = self._part(rows, r)
+            if node_id in rows.shared:
+                self._parts[node_id][workflow] = part
+                self._rescore(node_id)
+            else:
+                self._score[node_id] = part
+
+    def _share(self, node_id: int, owners: dict) -> None:
+        """The node has a second (or later) user: its parts are kept per user from now on."""
+        parts = self._parts.get(node_id)
+        if parts is None:
+            parts = self._parts[node_id] = {}
+            for w in owners:
+                rows = self._rows[w]
+                rows.shared[node_id] = None
+                parts[w] = rows.part[rows.row[node_id]]
+        else:
+            w = next(reversed(owners))
+            rows = self._rows[w]
+            rows.shared[node_id] = None
+            parts[w] = rows.part[rows.row[node_id]]
 
     def end(self, workflow: str) -> list[int]:
         """Retire a workflow; returns the nodes it used (their priorities changed)."""
@@ -184,14 +191,20 @@ class WorkflowLedger:
         self._rows.pop(workflow, None)
         for node_id in nodes:
             owners = self.users.get(node_id)
-            if owners is not None and owners.pop(workflow, None) is not None:
-                self._owners[node_id] -= 1
-                self._parts[node_id].pop(workflow, None)
-                if owners:
-                    self._rescore(node_id)
-                else:
-                    del self.users[node_id], self._parts[node_id]
-                    self._score[node_id] = 0.0
+            if owners is None or owners.pop(workflow, None) is None:
+                continue
+            if not owners:
+                del self.users[node_id]
+                self._score.pop(node_id, None)
+                continue
+            parts = self._parts[node_id]
+            del parts[workflow]
+            if len(owners) == 1:  # one user left: its row alone holds the score
+                (last,) = owners
+                del self._parts[node_id], self._rows[last].shared[node_id]
+                self._score[node_id] = parts[last] if self._rows[last].value is not None else 0.0
+            else:
+                self._rescore(node_id)
         for table in (self.reuse_value, self.next_value, self.steps_to, self.unchecked):
             table.pop(workflow, None)
         return nodes
@@ -202,23 +215,24 @@ class WorkflowLedger:
         if not owners:
             return
         self.users[prefix_id] = {w: dict(agents) for w, agents in owners.items()}
-        self._parts[prefix_id] = dict(self._parts[suffix_id])
-        self._fit(prefix_id)
+        if suffix_id in self._parts:
+            self._parts[prefix_id] = dict(self._parts[suffix_id])
         for w in owners:
             self.nodes_of[w][prefix_id] = None
             rows = self._rows[w]
             suffix_row = rows.row[suffix_id]
-            r = rows.add(prefix_id)
-            rows.agents[r], rows.part[r] = rows.agents[suffix_row], rows.part[suffix_row]
-        self._owners[prefix_id], self._score[prefix_id] = self._owners[suffix_id], self._score[suffix_id]
+            rows.add(prefix_id, rows.agents[suffix_row], rows.part[suffix_row])
+            if suffix_id in rows.shared:
+                rows.shared[prefix_id] = None
+        if suffix_id in self._score:
+            self._score[prefix_id] = self._score[suffix_id]
 
     def forget(self, node_id: int) -> None:
         self._parts.pop(node_id, None)
+        self._score.pop(node_id, None)
         for w in self.users.pop(node_id, {}):
             self.nodes_of[w].pop(node_id, None)
             self._rows[w].drop(node_id)
-        if node_id < len(self._score):
-            self._score[node_id], self._owners[node_id] = 0.0, 0
 
     # ---------------------------------------------------------------- scores
 
@@ -226,7 +240,7 @@ class WorkflowLedger:
     def _part(rows: _WorkflowRows, r: int) -> float:
         """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
         value = rows.value
-        return sum(value[c] for c in rows.agents[r].tolist() if 0 <= c < len(value) - 1)
+        return sum(float(value[c]) for c in rows.agents[r] if 0 <= c < len(value) - 1)
 
     def _rescore(self, node_id: int) -> None:
         """Score(c) = sum over the node's users, first user first, of their parts (left to right,
@@ -237,26 +251,23 @@ class WorkflowLedger:
         """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
         step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
         rows.value = value
-        n = rows.n
-        if not n:
+        if not rows.nodes:
             return []
-        agents = rows.agents[:n]
+        agents = np.array(rows.agents)
         part = value[agents[:, 0]]
-        for slot in range(1, agents.shape[1]):  # column by column: the same order as a sum over the agents
+        for slot in range(1, rows.width):  # column by column: the same order as a sum over the agents
             part = part + value[agents[:, slot]]
-        rows.part[:n] = part
-        ids = rows.node[:n]
-        before = self._score[ids]
-        only = self._owners[ids] == 1
-        if only.all():
-            self._score[ids] = part
-        else:
-            self._score[ids[only]] = part[only]
-            shared = ~only
-            for node_id, node_part in zip(ids[shared].tolist(), part[shared].tolist()):
-                self._parts[node_id][workflow] = node_part
-                self._rescore(node_id)
-        return ids[self._score[ids] != before].tolist()
+        rows.part = part = part.tolist()
+        score, shared = self._score, rows.shared
+        changed = [n for n, p in zip(rows.nodes, part) if score.get(n) != p and n not in shared]
+        score.update(zip(rows.nodes, part))  # right for the nodes only this workflow used
+        for node_id in shared:
+            before = self._parts[node_id][workflow]
+            self._parts[node_id][workflow] = p = part[rows.row[node_id]]
+            self._rescore(node_id)
+            if p != before:
+                changed.append(node_id)
+        return changed
 
     def _discount(self, horizon: int) -> np.ndarray:
         """gamma^(k-1), k = 1..K."""
@@ -338,7 +349,7 @@ class WorkflowLedger:
         return total
 
     def score(self, node_id: int) -> float:
-        return float(self._score[node_id]) if node_id in self.users else 0.0
+        return self._score.get(node_id, 0.0) if node_id in self.users else 0.0
 
     def next_step_score(self, node_id: int) -> float:
         return self._weighted(node_id, self.next_value)
