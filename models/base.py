@@ -113,6 +113,11 @@ class Predictor(nn.Module, ABC):
     """
 
     family: ClassVar[str]
+    # True when a prefix's probabilities are the same floats whatever else shares its batch (a
+    # table lookup): the simulator may then compute them all before a replay
+    # (serving_integration/cache/predictions.py PrefixTable). Float32 networks are not: their
+    # kernels' summation order depends on the batch (padding width, matrix shapes).
+    batch_invariant: ClassVar[bool] = False
 
     def __init__(self, agent_names: Sequence[str], horizon: int, text: dict | None = None,
                  max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE):

@@ -53,6 +53,7 @@ def count_contexts(sequences: Sequence[Sequence[int]], order: int, end: int) -> 
 
 class MarkovPredictor(Predictor):
     family = "markov"
+    batch_invariant = True  # each prefix's row is looked up in `table`
 
     def __init__(self, agent_names, horizon: int, contexts: list[list[int]] | None = None,
                  context_counts: Tensor | None = None, max_path: int | None = None,

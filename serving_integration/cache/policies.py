@@ -42,7 +42,9 @@ anew on every eviction pass, so the plugin needs nothing more.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence
+import operator
+from functools import reduce
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -61,11 +63,65 @@ class CacheNode(Protocol):
     hit_count: int
 
 
+class Changed(NamedTuple):
+    """Nodes a new prediction changed: their score, or their steps-to-execution (KVFlow)."""
+
+    scores: list[int]
+    steps: list[int]
+
+
+class _WorkflowRows:
+    """One live workflow's share of the ledger: a row per node it used (in no particular order),
+    holding the ledger columns of the agents that used the node (first use first, padded with -1
+    to a common width, so the rows are one array when a prediction comes) and the node's part of
+    the score, sum_{a in A_w(c)} v_w[a]. Plain lists: a call's accesses append to them cheaply."""
+
+    __slots__ = ("row", "nodes", "agents", "part", "width", "shared", "value")
+
+    def __init__(self):
+        self.row: dict[int, int] = {}  # node id -> row
+        self.nodes: list[int] = []  # row -> node id
+        self.agents: list[list[int]] = []  # row -> agent columns, -1 padded to `width`
+        self.part: list[float] = []  # row -> sum of v_w over the row's agents
+        self.width = 1
+        self.shared: dict[int, None] = {}  # its nodes that other live workflows used too
+        self.value: np.ndarray | None = None  # v_w by ledger column and a 0 (the padding's), None before a prediction
+
+    def add(self, node_id: int, agents: list[int] | None = None, part: float = 0.0) -> int:
+        self.row[node_id] = r = len(self.nodes)
+        self.nodes.append(node_id)
+        self.agents.append(list(agents) if agents else [-1] * self.width)
+        self.part.append(part)
+        return r
+
+    def set_agent(self, r: int, slot: int, column: int) -> None:
+        if slot == self.width:
+            self.width += 1
+            for agents in self.agents:
+                agents.append(-1)
+        self.agents[r][slot] = column
+
+    def drop(self, node_id: int) -> None:
+        """Forget a node's row: the last row takes its place."""
+        r = self.row.pop(node_id)
+        self.shared.pop(node_id, None)
+        moved, agents, part = self.nodes.pop(), self.agents.pop(), self.part.pop()
+        if moved != node_id:
+            self.nodes[r], self.agents[r], self.part[r] = moved, agents, part
+            self.row[moved] = r
+
+
 class WorkflowLedger:
     """Which live workflows, and which of their agents, used each cache node; their predictions.
 
     Ordered dicts stand in for sets throughout, so iteration order (and with it every tie) is
-    the same in every run."""
+    the same in every run. Each node's score is kept current as the ledger changes, so an
+    eviction reads it without recomputing it: a workflow's new prediction computes the parts of
+    all the nodes it used in one vectorised step over its rows (`_WorkflowRows`) and sets the
+    scores of the nodes only it used from them; only nodes other live workflows used too are
+    summed over their users. Sums run in the definition's order (users in first-use order, each
+    one's agents in first-use order, left to right), so a score is the same float however it
+    was reached."""
 
     def __init__(self, gamma: float = PbkvConfig.gamma):
         self.gamma = gamma
@@ -75,30 +131,85 @@ class WorkflowLedger:
         self.next_value: dict[str, dict[str, float]] = {}  # workflow -> agent -> s^(1) P^(1)[agent]
         self.steps_to: dict[str, dict[str, int]] = {}  # workflow -> agent -> first k it is the argmax
         self.unchecked: dict[str, None] = {}  # workflows whose latest prediction no call has tested yet
+        self.columns: dict[str, int] = {}  # agent -> its column in the workflows' rows and values
+        self._rows: dict[str, _WorkflowRows] = {}  # live workflow -> its rows
+        self._score: dict[int, float] = {}  # node id -> Score(node), current (absent: 0)
+        # shared node id -> workflow -> its part of the node's score, in the order of `users`
+        self._parts: dict[int, dict[str, float]] = {}
+        self._discounts: dict[int, np.ndarray] = {}  # horizon K -> gamma^(k-1), k = 1..K
+        self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, workflow: str) -> None:
         self.nodes_of.setdefault(workflow, {})
+        self._rows.setdefault(workflow, _WorkflowRows())
 
     def is_live(self, workflow: str) -> bool:
         return workflow in self.nodes_of
 
     def record_access(self, node_id: int, workflow: str, agent: str) -> None:
-        if workflow not in self.nodes_of:  # unknown or already ended: the node stays unowned
+        nodes = self.nodes_of.get(workflow)
+        if nodes is None:  # unknown or already ended: the node stays unowned
             return
-        self.users.setdefault(node_id, {}).setdefault(workflow, {})[agent] = None
-        self.nodes_of[workflow][node_id] = None
+        owners = self.users.setdefault(node_id, {})
+        agents = owners.get(workflow)
+        rows = self._rows[workflow]
+        if agents is None:
+            agents = owners[workflow] = {}
+            nodes[node_id] = None
+            r = rows.add(node_id)
+            if len(owners) > 1:
+                self._share(node_id, owners)
+        elif agent in agents:
+            return
+        else:
+            r = rows.row[node_id]
+        agents[agent] = None
+        rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
+        if rows.value is not None:
+            rows.part[r] = part = self._part(rows, r)
+            if node_id in rows.shared:
+                self._parts[node_id][workflow] = part
+                self._rescore(node_id)
+            else:
+                self._score[node_id] = part
+
+    def _share(self, node_id: int, owners: dict) -> None:
+        """The node has a second (or later) user: its parts are kept per user from now on."""
+        parts = self._parts.get(node_id)
+        if parts is None:
+            parts = self._parts[node_id] = {}
+            for w in owners:
+                rows = self._rows[w]
+                rows.shared[node_id] = None
+                parts[w] = rows.part[rows.row[node_id]]
+        else:
+            w = next(reversed(owners))
+            rows = self._rows[w]
+            rows.shared[node_id] = None
+            parts[w] = rows.part[rows.row[node_id]]
 
     def end(self, workflow: str) -> list[int]:
         """Retire a workflow; returns the nodes it used (their priorities changed)."""
         nodes = list(self.nodes_of.pop(workflow, {}))
+        self._rows.pop(workflow, None)
         for node_id in nodes:
             owners = self.users.get(node_id)
-            if owners is not None:
-                owners.pop(workflow, None)
-                if not owners:
-                    del self.users[node_id]
+            if owners is None or owners.pop(workflow, None) is None:
+                continue
+            if not owners:
+                del self.users[node_id]
+                self._score.pop(node_id, None)
+                continue
+            parts = self._parts[node_id]
+            del parts[workflow]
+            if len(owners) == 1:  # one user left: its row alone holds the score
+                (last,) = owners
+                del self._parts[node_id], self._rows[last].shared[node_id]
+                self._score[node_id] = parts[last] if self._rows[last].value is not None else 0.0
+            else:
+                self._rescore(node_id)
         for table in (self.reuse_value, self.next_value, self.steps_to, self.unchecked):
             table.pop(workflow, None)
         return nodes
@@ -109,43 +220,117 @@ class WorkflowLedger:
         if not owners:
             return
         self.users[prefix_id] = {w: dict(agents) for w, agents in owners.items()}
+        if suffix_id in self._parts:
+            self._parts[prefix_id] = dict(self._parts[suffix_id])
         for w in owners:
             self.nodes_of[w][prefix_id] = None
+            rows = self._rows[w]
+            suffix_row = rows.row[suffix_id]
+            rows.add(prefix_id, rows.agents[suffix_row], rows.part[suffix_row])
+            if suffix_id in rows.shared:
+                rows.shared[prefix_id] = None
+        if suffix_id in self._score:
+            self._score[prefix_id] = self._score[suffix_id]
 
     def forget(self, node_id: int) -> None:
+        self._parts.pop(node_id, None)
+        self._score.pop(node_id, None)
         for w in self.users.pop(node_id, {}):
             self.nodes_of[w].pop(node_id, None)
+            self._rows[w].drop(node_id)
+
+    # ---------------------------------------------------------------- scores
+
+    @staticmethod
+    def _part(rows: _WorkflowRows, r: int) -> float:
+        """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
+        value = rows.value
+        return sum(float(value[c]) for c in rows.agents[r] if 0 <= c < len(value) - 1)
+
+    def _rescore(self, node_id: int) -> None:
+        """Score(c) = sum over the node's users, first user first, of their parts (left to right,
+        as a loop adds them; a workflow without predictions adds 0)."""
+        self._score[node_id] = reduce(operator.add, self._parts[node_id].values(), 0.0)
+
+    def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
+        """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
+        step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
+        rows.value = value
+        if not rows.nodes:
+            return []
+        agents = np.array(rows.agents)
+        part = value[agents[:, 0]]
+        for slot in range(1, rows.width):  # column by column: the same order as a sum over the agents
+            part = part + value[agents[:, slot]]
+        rows.part = part = part.tolist()
+        score, shared = self._score, rows.shared
+        changed = [n for n, p in zip(rows.nodes, part) if score.get(n) != p and n not in shared]
+        score.update(zip(rows.nodes, part))  # right for the nodes only this workflow used
+        for node_id in shared:
+            before = self._parts[node_id][workflow]
+            self._parts[node_id][workflow] = p = part[rows.row[node_id]]
+            self._rescore(node_id)
+            if p != before:
+                changed.append(node_id)
+        return changed
+
+    def _discount(self, horizon: int) -> np.ndarray:
+        """gamma^(k-1), k = 1..K."""
+        if horizon not in self._discounts:
+            self._discounts[horizon] = self.gamma ** np.arange(horizon)
+        return self._discounts[horizon]
+
+    def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
+        names, length, columns = self._name_columns
+        if names is not agent_names or length != len(agent_names):  # a source's names may grow in place
+            columns = np.array([self.columns.setdefault(a, len(self.columns)) for a in agent_names], dtype=np.int64)
+            self._name_columns = (agent_names, len(agent_names), columns)
+        return columns
 
     # ---------------------------------------------------------------- predictions
 
-    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs: torch.Tensor,
-                        steps: Sequence[dict[str, int]] | None = None) -> None:
-        """probs: [B, K, A+1] for B workflows, END last (a predictor's output). `steps`: each
-        workflow's steps-to-execution per agent, from an agent step graph (KVFlow); without it,
-        the first k at which the agent is the likeliest and more likely than END."""
-        probs = probs.detach().to(torch.float64).cpu()
-        alive = survival(probs).numpy()  # [B, K]
-        probs = probs.numpy()
-        discount = self.gamma ** np.arange(probs.shape[1])
+    def set_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs,
+                        steps: Sequence[dict[str, int]] | None = None) -> Changed:
+        """probs: [B, K, A+1] for B workflows, END last (a predictor's output; a tensor or an
+        array). `steps`: each workflow's steps-to-execution per agent, from an agent step graph
+        (KVFlow); without it, the first k at which the agent is the likeliest and more likely
+        than END. Returns the nodes whose score changed, and every node of a workflow whose
+        steps-to-execution changed (a policy's `changed_by` says which of them it reorders)."""
+        if isinstance(probs, torch.Tensor):
+            probs = probs.detach().cpu().numpy()
+        probs = np.asarray(probs, dtype=np.float64)
+        end_hazard = probs[..., -1]
+        alive = np.empty_like(end_hazard)  # s^(k) = prod_{j<k} (1 - P^(j)[END]), models.base.survival
+        alive[:, 0] = 1.0
+        np.cumprod(1.0 - end_hazard[:, :-1], axis=-1, out=alive[:, 1:])
+        discount = self._discount(probs.shape[1])
         agents = probs[..., :-1]
         value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
         likeliest = agents.argmax(axis=-1)  # [B, K]
         beats_end = agents.max(axis=-1) > probs[..., -1]
-        for i, w in enumerate(workflows):
+        columns = self._columns_of(agent_names)
+        by_column = np.zeros((len(value), len(self.columns) + 1))  # the last column: rows' padding
+        by_column[:, columns] = value
+        changed = Changed([], [])
+        given = steps if steps is not None else [None] * len(workflows)
+        for i, (w, w_steps) in enumerate(zip(workflows, given)):
             if w not in self.nodes_of:
                 continue
             self.reuse_value[w] = dict(zip(agent_names, value[i].tolist()))
             self.next_value[w] = dict(zip(agent_names, agents[i, 0].tolist()))  # s^(1) = 1
-            first: dict[str, int] = {}
-            for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
-                if alive_k:
-                    first.setdefault(agent_names[a], k)
-            self.steps_to[w] = first
+            if w_steps is None:
+                w_steps = {}
+                for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
+                    if alive_k:
+                        w_steps.setdefault(agent_names[a], k)
+            else:
+                w_steps = dict(w_steps)
+            if self.steps_to.get(w) != w_steps:
+                changed.steps.extend(self.nodes_of[w])
+            self.steps_to[w] = w_steps
             self.unchecked[w] = None
-        if steps is not None:
-            for w, given in zip(workflows, steps):
-                if w in self.nodes_of:
-                    self.steps_to[w] = dict(given)
+            changed.scores.extend(self._rescore_workflow(w, self._rows[w], by_column[i]))
+        return changed
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:
         """A call of `agent` arrived in `workflow`: the probability the workflow's latest prediction
@@ -169,7 +354,7 @@ class WorkflowLedger:
         return total
 
     def score(self, node_id: int) -> float:
-        return self._weighted(node_id, self.reuse_value)
+        return self._score.get(node_id, 0.0) if node_id in self.users else 0.0
 
     def next_step_score(self, node_id: int) -> float:
         return self._weighted(node_id, self.next_value)
@@ -197,6 +382,10 @@ class EvictionPolicy:
 
     def on_evict(self, node: CacheNode) -> None:
         """Called when a node leaves the GPU (KVFlow's parents inherit from children)."""
+
+    def changed_by(self, changed: Changed) -> list[int]:
+        """The nodes whose priority a new prediction changed (WorkflowLedger.set_predictions)."""
+        return []
 
     def observe_call(self, workflow: str, agent: str) -> bool:
         """Called when a call arrives; True when every node's priority changed at once (the
@@ -293,6 +482,9 @@ class PBKV(_LedgerPolicy):
     def trusted(self) -> bool:
         return self.meter is None or self.meter.trusted
 
+    def changed_by(self, changed):
+        return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
+
     def observe_call(self, workflow, agent):
         if self.meter is None:
             return False
@@ -317,6 +509,9 @@ class KVFlow(_LedgerPolicy):
         super().__init__(ledger)
         self.hold_step = hold_step
         self._inherited: dict[int, float] = {}
+
+    def changed_by(self, changed):
+        return changed.steps
 
     def steps(self, node) -> float:
         return max(self.ledger.steps_to_execution(node.id, self.hold_step), self._inherited.get(node.id, 0))
@@ -344,6 +539,9 @@ class Oracle(_LedgerPolicy):
     def __init__(self, ledger: WorkflowLedger, next_use: Callable[[CacheNode], float]):
         super().__init__(ledger)
         self.next_use = next_use
+
+    def changed_by(self, changed):
+        return changed.scores
 
     def priority(self, node):
         return (-self.next_use(node), self.ledger.score(node.id), node.last_access_time)

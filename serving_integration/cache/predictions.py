@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 from types import SimpleNamespace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,14 +45,99 @@ def tell_finished(source, workflow) -> None:
         source = getattr(source, "inner", None)
 
 
-class ModelSource:
-    """A trained predictor (train.py checkpoint)."""
+class PrefixTable:
+    """A source's predictions of every prefix of every workflow of a replay, computed before the
+    replay in a few large batches.
 
-    def __init__(self, predictor):
-        self.predictor = predictor
-        self.agent_names, self.horizon = predictor.agent_names, predictor.horizon
+    A prediction reads only the workflow's own history (its agents so far, task text, hidden
+    vector; the perfect predictor, its future), never the cache, so the prediction after a
+    workflow's n-th call is known before the replay starts. `lookup` then answers a batch of live
+    workflows with one gather, and None when a workflow is not in the table (the caller predicts
+    it directly). Only sources whose rows do not depend on which other rows share their batch
+    may be tabled (`batch_invariant`): then the table's rows are the very floats a per-step batch
+    would have had."""
+
+    def __init__(self, predict: Callable, workflows: Sequence, batch_size: int = 8192):
+        self.rows: dict[str, tuple[list, int]] = {}  # workflow id -> (its calls, row of its first prefix)
+        chunks, pending, total = [], [], 0
+        for w in workflows:
+            self.rows[w.id] = (w.calls, total)
+            for n in range(1, len(w.calls) + 1):
+                pending.append(_Prefix(w, n))
+            total += len(w.calls)
+            if len(pending) >= batch_size:
+                chunks.append(predict(pending).numpy())
+                pending = []
+        if pending:
+            chunks.append(predict(pending).numpy())
+        self.probs = np.concatenate(chunks) if chunks else None
+
+    def covers(self, workflows: Sequence) -> bool:
+        return all(self.rows.get(w.id, (None,))[0] is w.calls for w in workflows)
+
+    def lookup(self, workflows) -> torch.Tensor | None:
+        index = []
+        for w in workflows:
+            calls, first = self.rows.get(w.id, (None, 0))
+            if calls is not getattr(w, "calls", None) or not 1 <= getattr(w, "next_call", 0) <= len(calls):
+                return None
+            index.append(first + w.next_call - 1)
+        return torch.from_numpy(self.probs[index])
+
+
+class _Prefix:
+    """A workflow as it stands after its n-th call (SimWorkflow's view of `agents`, `hidden` and
+    `future_agents` at next_call = n)."""
+
+    __slots__ = ("id", "task", "agents", "hidden", "future_agents")
+
+    def __init__(self, w, n: int):
+        calls = w.calls
+        self.id, self.task = w.id, w.task
+        self.agents = [c.agent for c in calls[:n]]
+        self.future_agents = [c.agent for c in calls[n:]]
+        self.hidden = calls[n - 1].hidden
+
+
+def tabulate(source, workflows: Sequence) -> None:
+    """Before a replay: give every batch-invariant source in the chain (a wrapper's `inner`) the
+    table of its predictions for these workflows. Wrappers that learn or draw noise online keep
+    running per step, on the tabled predictions of what they wrap."""
+    while source is not None:
+        if getattr(source, "batch_invariant", False) and not (source.table and source.table.covers(workflows)):
+            source.table = PrefixTable(source.predict_uncached, workflows)
+        source = getattr(source, "inner", None)
+
+
+class _Tabled:
+    """A source whose `predict` answers from its PrefixTable when it has one."""
+
+    batch_invariant = True
+    table: PrefixTable | None = None
 
     def predict(self, workflows):
+        if self.table is not None:
+            probs = self.table.lookup(workflows)
+            if probs is not None:
+                return probs
+        return self.predict_uncached(workflows)
+
+
+class ModelSource(_Tabled):
+    """A trained predictor (train.py checkpoint). Tabled before a replay when its rows do not
+    depend on the batch (`Predictor.batch_invariant`), or when `tabulate=True` asks for it: a
+    network's tabled rows then differ from per-step batches in float32 rounding (a few 1e-7),
+    so the replay is the same model's but not bit for bit the per-step replay."""
+
+    def __init__(self, predictor, tabulate: bool = False):
+        self.predictor, self.tabulate = predictor, tabulate
+        self.agent_names, self.horizon = predictor.agent_names, predictor.horizon
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.tabulate or getattr(self.predictor, "batch_invariant", False)
+
+    def predict_uncached(self, workflows):
         return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
 
 
@@ -138,27 +223,27 @@ class OnlineBackoff:
             self.last.pop(wf_id, None)
         for w in workflows:
             self._fold(w)
-        model = self.inner.predict(workflows).to(torch.float64)
-        if not torch.isfinite(model).all():
+        model = self.inner.predict(workflows).numpy().astype(np.float64)  # numpy: torch's float64 arithmetic, less overhead
+        if not np.isfinite(model).all():
             # a bad round (corrupted weights, a numerical blow-up) reaches no running state: the
             # pending predictions are dropped unscored and the weights stay as they were, so the
             # next healthy round is mixed as before; the caller's guard rejects this one
             for w in workflows:
                 self.last.pop(w.id, None)
-            return model
+            return torch.from_numpy(model)
         names = self.agent_names
         n_model, n = model.shape[-1] - 1, len(names)
-        out_model = torch.zeros(len(workflows), self.horizon, n + 1, dtype=torch.float64)
+        out_model = np.zeros((len(workflows), self.horizon, n + 1))
         out_model[..., :n_model] = model[..., :-1]
         out_model[..., n] = model[..., -1]
-        backoff = out_model.clone()
+        backoff = out_model.copy()
         for b, w in enumerate(workflows):
             current = w.agents[-1]
             for k in range(self.horizon):
                 seen = self.counts.get((current, k + 1))
                 if not seen:
                     continue
-                counts = torch.zeros(n + 1, dtype=torch.float64)
+                counts = np.zeros(n + 1)
                 for nxt, c in seen.items():
                     counts[n if nxt is None else self.index[nxt]] = c
                 backoff[b, k] = (counts + self.beta * out_model[b, k]) / (counts.sum() + self.beta)
@@ -166,21 +251,21 @@ class OnlineBackoff:
             ends = {None: float(out_model[b, 0, n])}, {None: float(backoff[b, 0, n])}
             self.last[w.id] = tuple({**dict(zip(names, p[b, 0, :n].tolist())), **e}
                                     for p, e in zip((out_model, backoff), ends))
-        weight = torch.as_tensor(self.weights, dtype=torch.float64)
-        return (weight[0] * out_model + weight[1] * backoff).to(model.dtype)
+        weight = self.weights
+        return torch.from_numpy(weight[0] * out_model + weight[1] * backoff)  # float64
 
 
-class PerfectSource:
+class PerfectSource(_Tabled):
     """The true next K agents of each workflow: pbkv with a perfect predictor (an upper bound)."""
 
     def __init__(self, agent_names: list[str], horizon: int):
         self.agent_names, self.horizon = agent_names, horizon
 
-    def predict(self, workflows):
+    def predict_uncached(self, workflows):
         return _one_hot_paths([w.future_agents[: self.horizon] for w in workflows], self.agent_names, self.horizon)
 
 
-class AgentStepGraph:
+class AgentStepGraph(_Tabled):
     """KVFlow's view (Pan et al., arXiv 2507.07400): the Agent Step Graph of the workflow's
     definition, and each agent's steps-to-execution from where a workflow stands in it.
 
@@ -258,7 +343,7 @@ class AgentStepGraph:
     def steps_to_execution(self, workflows: Sequence[LiveWorkflow]) -> list[dict[str, int]]:
         return [self.steps_of(w) for w in workflows]
 
-    def predict(self, workflows):
+    def predict_uncached(self, workflows):
         if self.kind == "pipeline":
             return _one_hot_paths([self.steps[len(w.agents):len(w.agents) + self.horizon] for w in workflows],
                                   self.agent_names, self.horizon)

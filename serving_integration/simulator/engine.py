@@ -52,7 +52,7 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource, tell_finished
+from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.config import SimConfig
@@ -405,9 +405,8 @@ class Server:
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
-        self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
-        for w in batch:
-            self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
+        changed = self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
+        self.tree.refresh_ids(self.policy.changed_by(changed))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
         charged = measured if self.config.charge_measured_predictor_time else self.config.predictor_cost_s
@@ -486,6 +485,7 @@ class Simulator:
         self.workflows, self.config, self.cost = workflows, config, cost
         self.future = FutureIndex(workflows, config.concurrency) if policy == "oracle" else None
         self.predictions = predictions
+        tabulate(predictions, workflows)  # every prefix's prediction, before the replay
         self.servers = [Server(config, cost, config.gpu_tokens // config.replicas, policy, policy_options, prefetch,
                                gamma, next_use=self.future.next_use if self.future else None,
                                record_decisions=record_decisions) for _ in range(config.replicas)]

@@ -239,3 +239,55 @@ def test_reprioritize_rebuilds_the_heaps_in_the_new_order():
     tree.reprioritize()
     audit(tree)
     assert eviction_order(tree) == ["ef", "cd", "ab"]
+
+
+def reference_score(ledger, node_id):
+    """Score(c) from its definition: users in first-use order, each one's agents in first-use order."""
+    total = 0.0
+    for w, agents in ledger.users.get(node_id, {}).items():
+        values = ledger.reuse_value.get(w)
+        if values:
+            part = 0.0
+            for a in agents:
+                part += values.get(a, 0.0)
+            total += part
+    return total
+
+
+def test_ledger_scores_stay_equal_to_their_definition_under_random_operations():
+    import random
+
+    rng = random.Random(0)
+    agents = AGENTS[1:] + ["reviewer"]  # reviewer: an agent the predictions never name
+    ledger, live, nodes, next_id, seen = WorkflowLedger(gamma=0.7), [], [], 1, 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.08 or not live:
+            w = f"w{step}"
+            ledger.start(w)
+            live.append(w)
+        elif op < 0.45:
+            if not nodes or rng.random() < 0.3:
+                nodes.append(next_id)
+                next_id += 1
+            ledger.record_access(rng.choice(nodes), rng.choice(live), rng.choice(agents))
+        elif op < 0.55 and nodes:
+            ledger.split(next_id, rng.choice(nodes))
+            nodes.append(next_id)
+            next_id += 1
+        elif op < 0.62 and nodes:
+            node = nodes.pop(rng.randrange(len(nodes)))
+            ledger.forget(node)
+        elif op < 0.68:
+            ledger.end(live.pop(rng.randrange(len(live))))
+        else:
+            batch = rng.sample(live, rng.randint(1, min(3, len(live))))
+            probs = torch.rand(len(batch), 3, len(AGENTS) + 1, generator=torch.Generator().manual_seed(step))
+            before = {n: ledger.score(n) for n in nodes}
+            changed = ledger.set_predictions(batch, AGENTS, probs / probs.sum(-1, keepdim=True))
+            moved = {n for n in nodes if ledger.score(n) != before[n]}
+            assert moved <= set(changed.scores)  # every node whose score moved is reported
+        for n in nodes:
+            assert ledger.score(n) == reference_score(ledger, n)  # the same float, not just close
+            seen += n in ledger.users and len(ledger.users[n]) > 1
+    assert seen > 100  # shared nodes (summed over several users) were checked too

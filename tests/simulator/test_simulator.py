@@ -268,3 +268,36 @@ def test_online_backoff_learns_served_transitions_and_new_agents():
     online = OnlineBackoff(AgentStepGraph.from_traces([["planner", "coder"]], 3))
     simulate(workflows, SimConfig(gpu_tokens=300_000, concurrency=4), H100, policy="pbkv", predictions=online)
     assert online.observed > 0 and set(names[1:]) <= set(online.agent_names)
+
+
+class _PerStep(PerfectSource):
+    """The perfect predictor called once per scheduler step, as before tabling."""
+
+    batch_invariant = False
+
+
+def test_tabled_predictions_replay_exactly_as_per_step_predictions():
+    from models.markov import MarkovPredictor
+    from serving_integration.cache.predictions import ModelSource, NoisySource, OnlineBackoff
+
+    workflows = small_workload("hover", 40, 2)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    index = {a: i for i, a in enumerate(names)}
+    markov = MarkovPredictor.from_sequences(names, 3, [[index[c.agent] for c in w.calls] for w in workflows], order=1)
+
+    class MarkovPerStep(ModelSource):
+        batch_invariant = False
+
+    config = SimConfig(gpu_tokens=120_000, concurrency=8)
+    for policy, prefetch in (("pbkv", "conservative"), ("oracle", "aggressive"), ("pbkv", "none")):
+        tabled = simulate(workflows, config, H100, policy=policy, prefetch=prefetch,
+                          predictions=NoisySource(PerfectSource(names, 3), 0.2, seed=3))
+        per_step = simulate(workflows, config, H100, policy=policy, prefetch=prefetch,
+                            predictions=NoisySource(_PerStep(names, 3), 0.2, seed=3))
+        assert tabled == per_step  # every summary field
+    source = ModelSource(markov)
+    assert source.batch_invariant
+    tabled = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(source))
+    assert source.table is not None and source.table.covers(workflows)
+    per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(MarkovPerStep(markov)))
+    assert tabled == per_step
