@@ -376,6 +376,7 @@ class EvictionPolicy:
     name = "base"
     served_by = "sglang"
     uses_predictions = False
+    reads_ledger = False  # True: its order reads the WorkflowLedger (who used a node, their predictions)
 
     def priority(self, node: CacheNode) -> tuple:
         raise NotImplementedError
@@ -427,6 +428,7 @@ class TLRU(EvictionPolicy):
 
 class _LedgerPolicy(EvictionPolicy):
     served_by = "plugin"
+    reads_ledger = True
 
     def __init__(self, ledger: WorkflowLedger):
         self.ledger = ledger

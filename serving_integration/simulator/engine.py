@@ -172,10 +172,20 @@ class Server:
         self.now = 0.0
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
-        self.decoding: list[Request] = []
+        # the running decode batch, in the order its requests entered it; beside it, kept as each
+        # iteration advances them all one token: the batch's summed context, and a heap of the
+        # decode step at which each request ends (so a step reads no request it does not finish)
+        self.decoding: dict[Request, None] = {}
+        self._decode_context = 0
+        self._decoded = 0  # decode iterations run so far
+        self._decode_ends: list = []  # heap of (value of _decoded at which it ends, entry seq, request)
+        self._decode_seq = itertools.count()
         self.running: dict[str, Request] = {}  # workflow id -> its admitted request (prefilling or decoding)
         self.ever_cached: set[int] = set()
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
+        # who used each node is recorded only where something reads it: a ledger policy, prefetch,
+        # or a router that scores replicas by it (the Simulator sets this for such a router)
+        self.tracks_workflows = self.policy.reads_ledger or self.prefetch.enabled
         self.counters = Counters()
         self.calls = 0  # calls routed here
         # the realized request sequence, for the offline bound (simulator/bound.py): each admitted
@@ -292,10 +302,15 @@ class Server:
         tree.private_gpu += r.private
         if self.policy.observe_call(r.wf.id, call.agent):  # pbkv's adaptive trust switched its order
             tree.reprioritize()
-        for node in path:
-            self.ledger.record_access(node.id, r.wf.id, call.agent)
-            if node.id in self.prefetched:  # prefetched, and read before it was evicted
-                self.counters.prefetch_used_tokens += self.prefetched.pop(node.id)
+        if self.tracks_workflows:
+            record, wf_id, agent = self.ledger.record_access, r.wf.id, call.agent
+            for node in path:
+                record(node.id, wf_id, agent)
+        prefetched = self.prefetched
+        if prefetched:
+            for node in path:
+                if node.id in prefetched:  # prefetched, and read before it was evicted
+                    self.counters.prefetch_used_tokens += prefetched.pop(node.id)
         r.last_node = path[-1] if path else None
         page = self.config.page_size
         r.gpu_hit = gpu_hit // page * page  # only whole pages are reused
@@ -341,14 +356,18 @@ class Server:
                 continue
             r.ttft = self.now - r.arrival
             r.decode_left = r.call.output_tokens - 1
-            (self.decoding if r.decode_left > 0 else finished).append(r)
+            if r.decode_left > 0:
+                self.decoding[r] = None
+                heapq.heappush(self._decode_ends, (self._decoded + r.decode_left, next(self._decode_seq), r))
+                self._decode_context += r.context
+            else:
+                finished.append(r)
         self.prefilling = still
         return finished
 
     def _decode_iterations(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
-        batch = len(self.decoding)
-        kv = sum(r.context for r in self.decoding)
-        steps = min(r.decode_left for r in self.decoding)
+        batch, kv, ends = len(self.decoding), self._decode_context, self._decode_ends
+        steps = ends[0][0] - self._decoded  # the fewest tokens a request of the batch has left
         if next_event < INF:  # the next event anywhere ends the run of identical iterations
             gap = next_event - self.now
             steps = max(1, min(steps, math.ceil(gap / self.cost.decode_step_s(batch, kv))))
@@ -356,12 +375,16 @@ class Server:
         self._prefetch(seconds, idle_workflows)
         self.now += seconds
         self.clocks[1] += seconds
-        finished, still = [], []
-        for r in self.decoding:
-            r.decode_left -= steps
-            r.context += steps
-            (finished if r.decode_left == 0 else still).append(r)
-        self.decoding = still
+        self._decoded += steps
+        self._decode_context += batch * steps
+        finished = []
+        while ends and ends[0][0] == self._decoded:  # in the order they entered the batch
+            _, _, r = heapq.heappop(ends)
+            del self.decoding[r]
+            r.context += r.decode_left
+            r.decode_left = 0
+            self._decode_context -= r.context
+            finished.append(r)
         return finished
 
     # ------------------------------------------------------------------ finishing
@@ -374,12 +397,14 @@ class Server:
         if call.output_tokens > 0:
             units, lens = units + (call.output_unit,), lens + (call.output_tokens,)
             keys = keys + (chain(keys[-1], call.output_unit),)
-        _, path = tree.insert(units, lens)
+        _, path = tree.insert(units, lens, refresh=False)  # refreshed below, once the ledger has the call
         tree.private_gpu -= r.private
         if r.last_node is not None:
             tree.unlock(r.last_node)
-        for node in path:
-            self.ledger.record_access(node.id, wf.id, call.agent)
+        if self.tracks_workflows:
+            record, agent = self.ledger.record_access, call.agent
+            for node in path:
+                record(node.id, wf.id, agent)
         tree.refresh_many(path)
         self.ever_cached.update(keys)
         self.trace.append(r)
@@ -495,6 +520,9 @@ class Simulator:
         self.router = make_router(config.routing, config.replicas, **dict((config.router or {}).get(config.routing) or {}))
         if self.router.uses_predictions and predictions is None:
             raise ValueError(f"routing '{config.routing}' needs a prediction source")
+        if self.router.uses_predictions:  # it scores replicas by the ledger's record of the workflow
+            for server in self.servers:
+                server.tracks_workflows = True
         self.pending = deque(workflows)
         self.live: dict[str, SimWorkflow] = {}
         self.arrivals: list = []  # heap of (time, seq, workflow) of issued calls not yet arrived

@@ -231,11 +231,13 @@ class RadixTree:
             node = child
         return on_gpu, i
 
-    def insert(self, units: Sequence, lens: Sequence[int]) -> tuple[int, list[Node]]:
+    def insert(self, units: Sequence, lens: Sequence[int], refresh: bool = True) -> tuple[int, list[Node]]:
         """Insert a key whose KV the caller holds on the GPU; returns (tokens the tree already
         had on the GPU, which the caller frees as duplicates, and the path). Nodes the key
         passes through that were host-only take the caller's copy, as HiCache's insert does;
-        new nodes go on the GPU and, write-through, to the host when it has room."""
+        new nodes go on the GPU and, write-through, to the host when it has room. With
+        refresh=False the caller refreshes the path itself (`refresh_many`) before the next
+        eviction, once it has updated what their priorities read."""
         now = self.tick()
         self.root.last_access_time = now
         node, i, duplicate, path = self.root, 0, 0, []
@@ -258,7 +260,8 @@ class RadixTree:
             self._set_gpu(leaf, True)
             self.backup(leaf)
             path.append(leaf)
-        self.refresh_many(path)
+        if refresh:
+            self.refresh_many(path)
         return duplicate, path
 
     # ------------------------------------------------------------------ tiers

@@ -64,7 +64,7 @@ class AuditedSimulator(Simulator):
     def _step(self, server, next_event):
         super()._step(server, next_event)
         audit(server.tree)
-        for r in server.prefilling + server.decoding:
+        for r in [*server.prefilling, *server.decoding]:
             assert r.gpu_hit + r.host_hit + r.miss == r.call.prompt_tokens
             assert 0 <= r.gpu_hit and 0 <= r.host_hit and 0 <= r.miss
 
