@@ -50,9 +50,9 @@ import numpy as np
 import torch
 
 from data.knobs import build
-from models.base import survival
 from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
     TrustConfig
+from serving_integration.cache.predictions import Folded, fold
 
 INF = math.inf
 
@@ -136,7 +136,6 @@ class WorkflowLedger:
         self._score: dict[int, float] = {}  # node id -> Score(node), current (absent: 0)
         # shared node id -> workflow -> its part of the node's score, in the order of `users`
         self._parts: dict[int, dict[str, float]] = {}
-        self._discounts: dict[int, np.ndarray] = {}  # horizon K -> gamma^(k-1), k = 1..K
         self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
 
     # ---------------------------------------------------------------- lifecycle
@@ -274,12 +273,6 @@ class WorkflowLedger:
                 changed.append(node_id)
         return changed
 
-    def _discount(self, horizon: int) -> np.ndarray:
-        """gamma^(k-1), k = 1..K."""
-        if horizon not in self._discounts:
-            self._discounts[horizon] = self.gamma ** np.arange(horizon)
-        return self._discounts[horizon]
-
     def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
         names, length, columns = self._name_columns
         if names is not agent_names or length != len(agent_names):  # a source's names may grow in place
@@ -296,31 +289,26 @@ class WorkflowLedger:
         (KVFlow); without it, the first k at which the agent is the likeliest and more likely
         than END. Returns the nodes whose score changed, and every node of a workflow whose
         steps-to-execution changed (a policy's `changed_by` says which of them it reorders)."""
-        if isinstance(probs, torch.Tensor):
-            probs = probs.detach().cpu().numpy()
-        probs = np.asarray(probs, dtype=np.float64)
-        end_hazard = probs[..., -1]
-        alive = np.empty_like(end_hazard)  # s^(k) = prod_{j<k} (1 - P^(j)[END]), models.base.survival
-        alive[:, 0] = 1.0
-        np.cumprod(1.0 - end_hazard[:, :-1], axis=-1, out=alive[:, 1:])
-        discount = self._discount(probs.shape[1])
-        agents = probs[..., :-1]
-        value = (discount[None, :, None] * alive[..., None] * agents).sum(axis=1)  # [B, A]
-        likeliest = agents.argmax(axis=-1)  # [B, K]
-        beats_end = agents.max(axis=-1) > probs[..., -1]
+        return self.set_folded(workflows, agent_names, fold(probs, self.gamma), steps)
+
+    def set_folded(self, workflows: Sequence[str], agent_names: Sequence[str], folded: Folded,
+                   steps: Sequence[dict[str, int]] | None = None) -> Changed:
+        """`set_predictions` from predictions already folded (`fold`, with this ledger's gamma)."""
+        value, likeliest, beats_end = folded.value, folded.likeliest.tolist(), folded.beats_end.tolist()
         columns = self._columns_of(agent_names)
         by_column = np.zeros((len(value), len(self.columns) + 1))  # the last column: rows' padding
         by_column[:, columns] = value
+        values, nexts = value.tolist(), folded.next.tolist()
         changed = Changed([], [])
         given = steps if steps is not None else [None] * len(workflows)
         for i, (w, w_steps) in enumerate(zip(workflows, given)):
             if w not in self.nodes_of:
                 continue
-            self.reuse_value[w] = dict(zip(agent_names, value[i].tolist()))
-            self.next_value[w] = dict(zip(agent_names, agents[i, 0].tolist()))  # s^(1) = 1
+            self.reuse_value[w] = dict(zip(agent_names, values[i]))
+            self.next_value[w] = dict(zip(agent_names, nexts[i]))  # s^(1) = 1
             if w_steps is None:
                 w_steps = {}
-                for k, (a, alive_k) in enumerate(zip(likeliest[i].tolist(), beats_end[i].tolist()), start=1):
+                for k, (a, alive_k) in enumerate(zip(likeliest[i], beats_end[i]), start=1):
                     if alive_k:
                         w_steps.setdefault(agent_names[a], k)
             else:

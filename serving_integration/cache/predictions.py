@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 from types import SimpleNamespace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,45 @@ def tell_finished(source, workflow) -> None:
         source = getattr(source, "inner", None)
 
 
+class Folded(NamedTuple):
+    """Predictions as the cache reads them, for B workflows over A agents (END dropped):
+
+        value[b, a]     = sum_k gamma^(k-1) s^(k) P^(k)[a],  s^(k) = prod_{j<k} (1 - P^(j)[END])
+                          (PBKV's per-agent reuse value: a node's score sums it over its users' agents)
+        next[b, a]      = P^(1)[a]                            (the one-step score prefetch ranks by)
+        likeliest[b, k] = argmax_a P^(k)[a],  beats_end[b, k] = max_a P^(k)[a] > P^(k)[END]
+                          (the first k at which an agent is the likeliest: its steps-to-execution)"""
+
+    value: np.ndarray
+    next: np.ndarray
+    likeliest: np.ndarray
+    beats_end: np.ndarray
+
+    def rows(self, index) -> "Folded":
+        return Folded(self.value[index], self.next[index], self.likeliest[index], self.beats_end[index])
+
+
+_DISCOUNTS: dict[tuple[float, int], np.ndarray] = {}
+
+
+def fold(probs, gamma: float) -> Folded:
+    """probs: [B, K, A+1] (a tensor or an array; END last) -> Folded, in float64. Row by row the same
+    floats whatever else shares the batch (elementwise work and a sum over the K axis in order)."""
+    if isinstance(probs, torch.Tensor):
+        probs = probs.detach().cpu().numpy()
+    probs = np.asarray(probs, dtype=np.float64)
+    end_hazard = probs[..., -1]
+    alive = np.empty_like(end_hazard)  # s^(k), models.base.survival
+    alive[:, 0] = 1.0
+    np.cumprod(1.0 - end_hazard[:, :-1], axis=-1, out=alive[:, 1:])
+    key = (gamma, probs.shape[1])
+    if key not in _DISCOUNTS:
+        _DISCOUNTS[key] = gamma ** np.arange(probs.shape[1])
+    agents = probs[..., :-1]
+    value = (_DISCOUNTS[key][None, :, None] * alive[..., None] * agents).sum(axis=1)
+    return Folded(value, agents[:, 0], agents.argmax(axis=-1), agents.max(axis=-1) > end_hazard)
+
+
 class PrefixTable:
     """A source's predictions of every prefix of every workflow of a replay, computed before the
     replay in a few large batches.
@@ -71,18 +110,33 @@ class PrefixTable:
         if pending:
             chunks.append(predict(pending).numpy())
         self.probs = np.concatenate(chunks) if chunks else None
+        self._folded: dict[float, Folded] = {}
 
     def covers(self, workflows: Sequence) -> bool:
         return all(self.rows.get(w.id, (None,))[0] is w.calls for w in workflows)
 
-    def lookup(self, workflows) -> torch.Tensor | None:
+    def index(self, workflows) -> list[int] | None:
+        """The table rows of these workflows as they stand now, or None if one is not in it."""
         index = []
         for w in workflows:
             calls, first = self.rows.get(w.id, (None, 0))
             if calls is not getattr(w, "calls", None) or not 1 <= getattr(w, "next_call", 0) <= len(calls):
                 return None
             index.append(first + w.next_call - 1)
-        return torch.from_numpy(self.probs[index])
+        return index
+
+    def lookup(self, workflows) -> torch.Tensor | None:
+        index = self.index(workflows)
+        return None if index is None else torch.from_numpy(self.probs[index])
+
+    def lookup_folded(self, workflows, gamma: float) -> Folded | None:
+        """The folded rows (`fold`, computed once for the whole table) of these workflows."""
+        index = self.index(workflows)
+        if index is None:
+            return None
+        if gamma not in self._folded:
+            self._folded[gamma] = fold(self.probs, gamma)
+        return self._folded[gamma].rows(index)
 
 
 class _Prefix:
@@ -121,6 +175,10 @@ class _Tabled:
             if probs is not None:
                 return probs
         return self.predict_uncached(workflows)
+
+    def predict_folded(self, workflows, gamma: float) -> Folded | None:
+        """The predictions already folded for the cache (`fold`), from the table; None without one."""
+        return self.table.lookup_folded(workflows, gamma) if self.table is not None else None
 
 
 class ModelSource(_Tabled):

@@ -426,11 +426,18 @@ class Server:
         if not batch or predictions is None:
             return
         started = time.perf_counter()
-        probs = predictions.predict(batch)
+        ids, names = [w.id for w in batch], predictions.agent_names
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
-        steps = graph_steps(batch) if graph_steps else None
-        measured = time.perf_counter() - started
-        changed = self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
+        tabled = getattr(predictions, "predict_folded", None)
+        folded = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
+        if folded is not None:  # computed before the replay, already folded for the ledger
+            measured = time.perf_counter() - started
+            changed = self.ledger.set_folded(ids, names, folded)
+        else:
+            probs = predictions.predict(batch)
+            steps = graph_steps(batch) if graph_steps else None
+            measured = time.perf_counter() - started
+            changed = self.ledger.set_predictions(ids, names, probs, steps)
         self.tree.refresh_ids(self.policy.changed_by(changed))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured

@@ -16,7 +16,11 @@ Eviction order comes from a policy object with one method, `priority(node)`, sma
 in SGLang's `EvictionStrategy.get_priority`. The tree keeps one heap per tier with an entry for
 each evictable node; an entry is pushed whenever a node becomes evictable or its priority may
 have changed (`refresh`), and stale entries are skipped on pop. Evicting a node therefore costs
-O(log n), with no scan over the tree.
+O(log n), with no scan over the tree. A refresh only marks the node; the marked nodes are entered
+in the heaps, in the order of their latest marks, just before the next pop (`_flush`). A node
+refreshed several times between two evictions (matched, locked, inserted, unlocked, re-scored)
+is then entered once, with the priority and the place among equal priorities that its last
+refresh would have given it, so the order of evictions is exactly that of entering it every time.
 
 Clock: a logical clock that ticks once per operation and once per node created, mirroring where
 SGLang reads `time.monotonic()` (access stamp first, then node creation), so LRU orders agree.
@@ -78,6 +82,7 @@ class RadixTree:
         self.private_gpu = 0  # tokens held by running requests outside the tree
         self._gpu_heap: list = []
         self._host_heap: list = []
+        self._dirty: dict[Node, None] = {}  # nodes refreshed since the last flush, latest refresh last
         self.by_key: dict[int, Node] = {}  # prefix identity (see `chain`) -> node starting there
         self.by_id: dict[int, Node] = {}
 
@@ -95,21 +100,43 @@ class RadixTree:
                 and node is not self.root)
 
     def refresh(self, node: Node) -> None:
-        """Re-enter the node in the heaps it belongs to, with its current priority."""
-        if self.gpu_evictable(node):
-            node._gpu_entry = seq = next(self._seq)
-            heapq.heappush(self._gpu_heap, (self.priority(node), seq, node))
-        else:
-            node._gpu_entry = -1
-        if self.host_evictable(node):
-            node._host_entry = seq = next(self._seq)
-            heapq.heappush(self._host_heap, (self.priority(node), seq, node))
-        else:
-            node._host_entry = -1
+        """The node may have become evictable, or not, or its priority may have changed: it is
+        re-entered in the heaps it belongs to, with its priority then, before the next eviction."""
+        dirty = self._dirty
+        if node in dirty:
+            del dirty[node]  # its place among equal priorities is that of its latest refresh
+        dirty[node] = None
+
+    def _flush(self) -> None:
+        """Enter every node refreshed since the last flush (gpu_evictable / host_evictable, inlined:
+        this is the simulator's hottest loop)."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        seq, priority = self._seq, self.priority
+        for node in dirty:
+            if node.parent is None:  # deleted since (or the root)
+                continue
+            if node.on_gpu:
+                node._host_entry = -1
+                if node.lock_ref == 0 and node.gpu_children == 0:
+                    node._gpu_entry = s = next(seq)
+                    heapq.heappush(self._gpu_heap, (priority(node), s, node))
+                else:
+                    node._gpu_entry = -1
+            else:
+                node._gpu_entry = -1
+                if node.on_host and not node.children and node.lock_ref == 0:
+                    node._host_entry = s = next(seq)
+                    heapq.heappush(self._host_heap, (priority(node), s, node))
+                else:
+                    node._host_entry = -1
+        dirty.clear()
 
     def reprioritize(self) -> None:
         """Every priority changed at once (a policy switched its order): rebuild both heaps from
         the evictable nodes, O(n)."""
+        self._dirty.clear()  # every node is entered anew here
         gpu, host = [], []
         for node in self.nodes():
             node._gpu_entry = node._host_entry = -1
@@ -305,6 +332,7 @@ class RadixTree:
         """Evict whole nodes in policy order until `tokens` are freed; `allow` can veto a node
         (conservative prefetch frees only retired cache). Returns the evicted nodes."""
         evicted, freed, vetoed = [], 0, []
+        self._flush()
         while freed < tokens and self._gpu_heap:
             _, seq, node = heapq.heappop(self._gpu_heap)
             if node._gpu_entry != seq:
@@ -325,12 +353,14 @@ class RadixTree:
                 self._delete(node)
             if parent is not self.root:
                 self.refresh(parent)
+            self._flush()  # the parent may be next
         for node in vetoed:
             self.refresh(node)
         return evicted
 
     def evict_host(self, tokens: int) -> int:
         freed = 0
+        self._flush()
         while freed < tokens and self._host_heap:
             _, seq, node = heapq.heappop(self._host_heap)
             if node._host_entry != seq:
@@ -339,6 +369,7 @@ class RadixTree:
             freed += node.num_tokens
             self._delete(node)
             self.refresh(parent)
+            self._flush()
         return freed
 
     # ------------------------------------------------------------------ locks
@@ -380,7 +411,8 @@ def _common(node_units: tuple, units: Sequence, start: int) -> int:
 def audit(tree: RadixTree) -> None:
     """Check the tree's invariants (O(n); for tests): tier accounting and capacities, GPU
     residency closed under parents, locks only on the GPU, and a valid heap entry for exactly
-    the evictable nodes."""
+    the evictable nodes (once the pending refreshes are entered)."""
+    tree._flush()
     gpu = host = 0
     for node in tree.nodes():
         gpu += node.num_tokens * node.on_gpu
