@@ -44,9 +44,8 @@ from __future__ import annotations
 import math
 import operator
 from functools import reduce
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
-import numpy as np
 import torch
 
 from data.knobs import build
@@ -85,7 +84,7 @@ class _WorkflowRows:
         self.part: list[float] = []  # row -> sum of v_w over the row's agents
         self.width = 1
         self.shared: dict[int, None] = {}  # its nodes that other live workflows used too
-        self.value: np.ndarray | None = None  # v_w by ledger column and a 0 (the padding's), None before a prediction
+        self.value: list[float] | None = None  # v_w by ledger column and a 0 (the padding's), None before a prediction
 
     def add(self, node_id: int, agents: list[int] | None = None, part: float = 0.0) -> int:
         self.row[node_id] = r = len(self.nodes)
@@ -148,31 +147,38 @@ class WorkflowLedger:
         return workflow in self.nodes_of
 
     def record_access(self, node_id: int, workflow: str, agent: str) -> None:
+        self.record_path((node_id,), workflow, agent)
+
+    def record_path(self, node_ids: Iterable[int], workflow: str, agent: str) -> None:
+        """A call of `agent` in `workflow` read (or wrote) these nodes."""
         nodes = self.nodes_of.get(workflow)
-        if nodes is None:  # unknown or already ended: the node stays unowned
+        if nodes is None:  # unknown or already ended: the nodes stay unowned
             return
-        owners = self.users.setdefault(node_id, {})
-        agents = owners.get(workflow)
-        rows = self._rows[workflow]
-        if agents is None:
-            agents = owners[workflow] = {}
-            nodes[node_id] = None
-            r = rows.add(node_id)
-            if len(owners) > 1:
-                self._share(node_id, owners)
-        elif agent in agents:
-            return
-        else:
-            r = rows.row[node_id]
-        agents[agent] = None
-        rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
-        if rows.value is not None:
-            rows.part[r] = part = self._part(rows, r)
-            if node_id in rows.shared:
-                self._parts[node_id][workflow] = part
-                self._rescore(node_id)
+        users, rows = self.users, self._rows[workflow]
+        for node_id in node_ids:
+            owners = users.get(node_id)
+            if owners is None:
+                owners = users[node_id] = {}
+            agents = owners.get(workflow)
+            if agents is None:
+                agents = owners[workflow] = {}
+                nodes[node_id] = None
+                r = rows.add(node_id)
+                if len(owners) > 1:
+                    self._share(node_id, owners)
+            elif agent in agents:
+                continue
             else:
-                self._score[node_id] = part
+                r = rows.row[node_id]
+            agents[agent] = None
+            rows.set_agent(r, len(agents) - 1, self.columns.setdefault(agent, len(self.columns)))
+            if rows.value is not None:
+                rows.part[r] = part = self._part(rows, r)
+                if node_id in rows.shared:
+                    self._parts[node_id][workflow] = part
+                    self._rescore(node_id)
+                else:
+                    self._score[node_id] = part
 
     def _share(self, node_id: int, owners: dict) -> None:
         """The node has a second (or later) user: its parts are kept per user from now on."""
@@ -244,24 +250,28 @@ class WorkflowLedger:
     def _part(rows: _WorkflowRows, r: int) -> float:
         """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
         value = rows.value
-        return sum(float(value[c]) for c in rows.agents[r] if 0 <= c < len(value) - 1)
+        return sum(value[c] for c in rows.agents[r] if 0 <= c < len(value) - 1)
 
     def _rescore(self, node_id: int) -> None:
         """Score(c) = sum over the node's users, first user first, of their parts (left to right,
         as a loop adds them; a workflow without predictions adds 0)."""
         self._score[node_id] = reduce(operator.add, self._parts[node_id].values(), 0.0)
 
-    def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: np.ndarray) -> list[int]:
-        """A workflow's new v_w (by column, a 0 appended for the padding): every row's part in one
-        step, the scores of nodes only it used set from them; returns the nodes whose score changed."""
+    def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: list[float]) -> list[int]:
+        """A workflow's new v_w (by column, a 0 appended for the padding, which -1 reads): every
+        row's part, the scores of nodes only it used set from them; returns the nodes whose score
+        changed. A part adds the row's agents left to right, padding included (adding 0.0 leaves
+        a float as it is), so it is the float `_part` gives."""
         rows.value = value
         if not rows.nodes:
             return []
-        agents = np.array(rows.agents)
-        part = value[agents[:, 0]]
-        for slot in range(1, rows.width):  # column by column: the same order as a sum over the agents
-            part = part + value[agents[:, slot]]
-        rows.part = part = part.tolist()
+        if rows.width == 1:
+            part = [value[a] for a, in rows.agents]
+        elif rows.width == 2:
+            part = [value[a] + value[b] for a, b in rows.agents]
+        else:
+            part = [reduce(operator.add, [value[c] for c in agents]) for agents in rows.agents]
+        rows.part = part
         score, shared = self._score, rows.shared
         changed = [n for n, p in zip(rows.nodes, part) if score.get(n) != p and n not in shared]
         score.update(zip(rows.nodes, part))  # right for the nodes only this workflow used
@@ -273,10 +283,10 @@ class WorkflowLedger:
                 changed.append(node_id)
         return changed
 
-    def _columns_of(self, agent_names: Sequence[str]) -> np.ndarray:
+    def _columns_of(self, agent_names: Sequence[str]) -> list[int]:
         names, length, columns = self._name_columns
         if names is not agent_names or length != len(agent_names):  # a source's names may grow in place
-            columns = np.array([self.columns.setdefault(a, len(self.columns)) for a in agent_names], dtype=np.int64)
+            columns = [self.columns.setdefault(a, len(self.columns)) for a in agent_names]
             self._name_columns = (agent_names, len(agent_names), columns)
         return columns
 
@@ -294,11 +304,10 @@ class WorkflowLedger:
     def set_folded(self, workflows: Sequence[str], agent_names: Sequence[str], folded: Folded,
                    steps: Sequence[dict[str, int]] | None = None) -> Changed:
         """`set_predictions` from predictions already folded (`fold`, with this ledger's gamma)."""
-        value, likeliest, beats_end = folded.value, folded.likeliest.tolist(), folded.beats_end.tolist()
+        likeliest, beats_end = folded.likeliest.tolist(), folded.beats_end.tolist()
         columns = self._columns_of(agent_names)
-        by_column = np.zeros((len(value), len(self.columns) + 1))  # the last column: rows' padding
-        by_column[:, columns] = value
-        values, nexts = value.tolist(), folded.next.tolist()
+        width = len(self.columns) + 1  # the last column: the rows' padding, 0
+        values, nexts = folded.value.tolist(), folded.next.tolist()
         changed = Changed([], [])
         given = steps if steps is not None else [None] * len(workflows)
         for i, (w, w_steps) in enumerate(zip(workflows, given)):
@@ -317,7 +326,10 @@ class WorkflowLedger:
                 changed.steps.extend(self.nodes_of[w])
             self.steps_to[w] = w_steps
             self.unchecked[w] = None
-            changed.scores.extend(self._rescore_workflow(w, self._rows[w], by_column[i]))
+            by_column = [0.0] * width
+            for c, v in zip(columns, values[i]):
+                by_column[c] = v
+            changed.scores.extend(self._rescore_workflow(w, self._rows[w], by_column))
         return changed
 
     def check_prediction(self, workflow: str, agent: str) -> float | None:

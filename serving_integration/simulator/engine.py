@@ -303,9 +303,7 @@ class Server:
         if self.policy.observe_call(r.wf.id, call.agent):  # pbkv's adaptive trust switched its order
             tree.reprioritize()
         if self.tracks_workflows:
-            record, wf_id, agent = self.ledger.record_access, r.wf.id, call.agent
-            for node in path:
-                record(node.id, wf_id, agent)
+            self.ledger.record_path([node.id for node in path], r.wf.id, call.agent)
         prefetched = self.prefetched
         if prefetched:
             for node in path:
@@ -402,9 +400,7 @@ class Server:
         if r.last_node is not None:
             tree.unlock(r.last_node)
         if self.tracks_workflows:
-            record, agent = self.ledger.record_access, call.agent
-            for node in path:
-                record(node.id, wf.id, agent)
+            self.ledger.record_path([node.id for node in path], wf.id, call.agent)
         tree.refresh_many(path)
         self.ever_cached.update(keys)
         self.trace.append(r)
