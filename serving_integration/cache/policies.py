@@ -319,7 +319,7 @@ class WorkflowLedger:
                 w_steps = {}
                 for k, (a, alive_k) in enumerate(zip(likeliest[i], beats_end[i]), start=1):
                     if alive_k:
-                        w_steps.setdefault(agent_names[a], k)
+                        w_steps.setdefault(agent_names[int(a)], k)
             else:
                 w_steps = dict(w_steps)
             if self.steps_to.get(w) != w_steps:

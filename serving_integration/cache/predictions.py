@@ -59,8 +59,15 @@ class Folded(NamedTuple):
     likeliest: np.ndarray
     beats_end: np.ndarray
 
-    def rows(self, index) -> "Folded":
-        return Folded(self.value[index], self.next[index], self.likeliest[index], self.beats_end[index])
+    def packed(self) -> np.ndarray:
+        """The four as the columns of one float64 array (a table's rows are then one gather)."""
+        return np.concatenate([self.value, self.next, self.likeliest, self.beats_end], axis=1, dtype=np.float64)
+
+    @staticmethod
+    def unpack(rows: np.ndarray, n_agents: int) -> "Folded":
+        """Views of packed rows (likeliest and beats_end as floats: 3.0 is agent 3, 1.0 is True)."""
+        a, k = n_agents, (rows.shape[1] - 2 * n_agents) // 2
+        return Folded(rows[:, :a], rows[:, a:2 * a], rows[:, 2 * a:2 * a + k], rows[:, 2 * a + k:])
 
 
 _DISCOUNTS: dict[tuple[float, int], np.ndarray] = {}
@@ -110,7 +117,7 @@ class PrefixTable:
         if pending:
             chunks.append(predict(pending).numpy())
         self.probs = np.concatenate(chunks) if chunks else None
-        self._folded: dict[float, Folded] = {}
+        self._folded: dict[float, tuple[np.ndarray, int]] = {}  # gamma -> (packed Folded rows, agents)
 
     def covers(self, workflows: Sequence) -> bool:
         return all(self.rows.get(w.id, (None,))[0] is w.calls for w in workflows)
@@ -135,8 +142,10 @@ class PrefixTable:
         if index is None:
             return None
         if gamma not in self._folded:
-            self._folded[gamma] = fold(self.probs, gamma)
-        return self._folded[gamma].rows(index)
+            self._folded[gamma] = (fold(self.probs, gamma).packed(), self.probs.shape[-1] - 1)
+        packed, n_agents = self._folded[gamma]
+        rows = packed[index[0]:index[0] + 1] if len(index) == 1 else packed[index]  # one row: a view
+        return Folded.unpack(rows, n_agents)
 
 
 class _Prefix:
