@@ -1,12 +1,19 @@
-"""Cost of the serving simulator per policy, and of one eviction as the tree grows.
+"""Cost of the serving simulator per policy, as the work grows, and of one eviction as the tree grows.
 
     python -m benchmarks.simulator_speed                    # hover, 1,000 workflows, every policy
+    python -m benchmarks.simulator_speed --checkpoint RUN/predictor.pt --scaling 1000,10000,100000
     python -m benchmarks.simulator_speed --workload swebench --gpu-tokens 300000
     python -m benchmarks.simulator_speed --replicas 4 --routing pbkv   # a cluster (gpu_tokens: its total)
 
 Replays every workflow of a generated dataset (all splits) under each policy and prints wall
 time, simulated calls per second and the hit rate, then the offline upper bound on the run's own
-request sequence (its LP size and solve time, apart from the replay's); then times evict_gpu on trees of
+request sequence (its LP size and solve time, apart from the replay's). The predictive policies
+run on the perfect predictor; with `--checkpoint` (a train.py checkpoint trained on the same
+workload) pbkv also runs on it, its predictions computed once per scheduler step (what evaluate.py
+does unless `predictor.tabulate=true`) and tabled before the replay. A replay's wall time includes
+computing its table. With `--scaling`, a table of wall time, calls per second and peak resident
+memory of lru and pbkv (perfect predictions) at each number of workflows, each replay in a fresh
+process (its peak is its own, the workload's generation included). Then it times evict_gpu on trees of
 growing size, to show the per-eviction cost grows like log n (heap), not n (scan); then runs one
 insert / match / lock / unlock / evict stream through our tree and through SGLang 0.5.23's own
 `RadixCache` (CPU, `create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in this process
@@ -16,13 +23,17 @@ and prints operations per second of each and ours / theirs.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import pickle
 import random
+import resource
 import statistics
+import tempfile
 import time
 
 from data.generators import WORKLOADS
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.cache.workload import SimWorkflow
@@ -32,9 +43,23 @@ H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_head
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
 
 
+def generated(workload: str, n: int) -> list[SimWorkflow]:
+    return workflows_from_rows(WORKLOADS[workload]().generate(n, seed=0).calls)
+
+
+def checkpoint_runs(checkpoint: str, names: list[str]) -> dict:
+    """pbkv on a trained predictor: predicted once per scheduler step, and tabled before the replay."""
+    from models import load_predictor
+
+    predictor = load_predictor(checkpoint, agents=names[1:], max_unknown=0.5)
+    family = predictor.family
+    return {f"pbkv/{family} per step": {"predictions": ModelSource(predictor)},
+            f"pbkv/{family} tabled": {"predictions": ModelSource(predictor, tabulate=True)}}
+
+
 def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, replicas: int = 1,
-                 routing: str = "none") -> dict:
-    workflows = workflows_from_rows(WORKLOADS[workload]().generate(n, seed=0).calls)
+                 routing: str = "none", checkpoint: str | None = None) -> dict:
+    workflows = generated(workload, n)
     sequences = [[c.agent for c in w.calls] for w in workflows]
     names = vocabulary(a for s in sequences for a in s)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {},
@@ -42,11 +67,13 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             "pbkv": {"predictions": PerfectSource(names, 3)},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
             "oracle": {"predictions": PerfectSource(names, 3)}}
+    if checkpoint:
+        runs.update(checkpoint_runs(checkpoint, names))
     calls = sum(len(w.calls) for w in workflows)
     config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency, replicas=replicas, routing=routing)
     print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}, "
-          f"replicas={replicas}, routing={routing}")
-    print(f"{'policy':>18} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
+          f"replicas={replicas}, routing={routing}; predictions perfect unless the label names a predictor")
+    print(f"{'policy':>24} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
           f"{'LP intervals':>12} {'LP rows':>8} {'nonzeros':>9}")
     measured = []
     for label, kwargs in runs.items():
@@ -54,13 +81,13 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
         started = time.perf_counter()
         if routing == "pbkv" and "predictions" not in kwargs:
             kwargs = {**kwargs, "predictions": PerfectSource(names, 3)}
-        sim = Simulator(fresh, config, H100, policy=label.split("+")[0], **kwargs)
+        sim = Simulator(fresh, config, H100, policy=label.split("+")[0].split("/")[0], **kwargs)
         counters = sim.run()
         wall = time.perf_counter() - started
         started = time.perf_counter()
         bound = bound_metrics(sim)  # the offline upper bound on the run's own sequence (simulator/bound.py)
         bound_wall = time.perf_counter() - started
-        print(f"{label:>18} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
+        print(f"{label:>24} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
               f"{bound['bound_hit_rate']:7.1%} {bound_wall:8.2f} {bound['bound_intervals']:12d} "
               f"{bound['bound_rows']:8d} {bound['bound_nonzeros']:9d}")
         measured.append({"policy": label, "wall_s": wall, "calls_per_s": calls / wall,
@@ -69,6 +96,41 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
                          "bound_intervals": bound["bound_intervals"]})
     return {"workload": workload, "workflows": n, "calls": calls, "gpu_tokens": gpu_tokens,
             "concurrency": concurrency, "replicas": replicas, "routing": routing, "policies": measured}
+
+
+def one_replay(path: str, policy: str, gpu_tokens: int, concurrency: int) -> tuple:
+    """In a fresh process: load the pickled calls of a generated workload and replay them; (calls,
+    wall s of the replay, hit rate, peak resident MiB of the process)."""
+    with open(path, "rb") as f:
+        workflows = workflows_from_rows(pickle.load(f))
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    kwargs = {"predictions": PerfectSource(names, 3)} if policy != "lru" else {}
+    started = time.perf_counter()
+    counters = Simulator(workflows, SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency), H100,
+                         policy=policy, **kwargs).run()
+    wall = time.perf_counter() - started
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return sum(len(w.calls) for w in workflows), wall, counters.gpu_hit_tokens / counters.prompt_tokens, peak_mib
+
+
+def scaling(workload: str, sizes: list[int], gpu_tokens: int, concurrency: int, policies=("lru", "pbkv")) -> dict:
+    print(f"\nscaling: {workload}, gpu_tokens={gpu_tokens}, concurrency={concurrency}, pbkv on perfect predictions; "
+          "each replay in a fresh process (peak: that process, loading the workload included)")
+    print(f"{'workflows':>10} {'policy':>8} {'calls':>9} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'peak MiB':>9}")
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = f"{scratch}/calls.pkl"
+            with open(path, "wb") as f:  # generated once here (about 3 ms a workflow), replayed by each child
+                pickle.dump(WORKLOADS[workload]().generate(n, seed=0).calls, f)
+            for policy in policies:
+                with context.Pool(1) as pool:
+                    calls, wall, hit, peak = pool.apply(one_replay, (path, policy, gpu_tokens, concurrency))
+                print(f"{n:>10} {policy:>8} {calls:>9} {wall:8.2f} {calls / wall:9.0f} {hit:9.1%} {peak:9.0f}")
+                rows.append({"workflows": n, "policy": policy, "calls": calls, "wall_s": wall,
+                             "calls_per_s": calls / wall, "hit_rate": hit, "peak_mib": peak})
+    return {"workload": workload, "gpu_tokens": gpu_tokens, "concurrency": concurrency, "rows": rows}
 
 
 def eviction_cost(sizes=(1_000, 10_000, 100_000), evictions=2_000) -> dict[int, float]:
@@ -185,13 +247,14 @@ def tree_vs_sglang(n_ops: int = 20_000) -> dict:
     return {"ops": n_ops, "ours_ops_per_s": n_ops / ours, "sglang_ops_per_s": n_ops / theirs, "ratio": theirs / ours}
 
 
-def results_json(speed: dict | None, evictions: dict | None, tree: dict) -> dict:
+def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: dict | None = None) -> dict:
     """The figures and tables of the results page (experiments.results, a `bench` step)."""
     figures, tables = [], []
     if speed:
         by = {m["policy"]: m for m in speed["policies"]}
         figures += [{"name": f"simulated calls/s, {name} ({speed['workload']}, {speed['calls']:,} calls)",
-                     "value": f"{by[name]['calls_per_s']:,.0f}"} for name in ("lru", "pbkv", "kvflow") if name in by]
+                     "value": f"{m['calls_per_s']:,.0f}"} for name, m in by.items()
+                    if name in ("lru", "pbkv", "kvflow") or name.startswith("pbkv/")]
         slowest = max(speed["policies"], key=lambda m: m["bound_s"])
         figures.append({"name": f"upper bound's LP solve ({slowest['bound_intervals']:,} intervals, HiGHS)",
                         "value": f"{slowest['bound_s']:.2f} s (largest of the policies' runs)"})
@@ -202,6 +265,18 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict) -> dict
                        "rows": [[m["policy"], f"{m['wall_s']:.2f}", f"{m['calls_per_s']:,.0f}", f"{m['hit_rate']:.1%}",
                                  f"{m['bound_hit_rate']:.1%}", f"{m['bound_s']:.2f}", f"{m['bound_intervals']:,}"]
                                 for m in speed["policies"]]})
+    if grown:
+        tables.append({"title": f"as the work grows: {grown['workload']}, {grown['gpu_tokens']:,} GPU tokens, "
+                                f"{grown['concurrency']} live workflows (pbkv: perfect predictions; each replay in a "
+                                "fresh process, peak memory includes loading the workload)",
+                       "head": ["workflows", "policy", "calls", "wall s", "calls/s", "GPU hit rate", "peak MiB"],
+                       "rows": [[f"{r['workflows']:,}", r["policy"], f"{r['calls']:,}", f"{r['wall_s']:.1f}",
+                                 f"{r['calls_per_s']:,.0f}", f"{r['hit_rate']:.1%}", f"{r['peak_mib']:,.0f}"]
+                                for r in grown["rows"]]})
+        largest = max(r["workflows"] for r in grown["rows"])
+        figures += [{"name": f"{r['policy']} replay of {largest:,} {grown['workload']} workflows ({r['calls']:,} calls)",
+                     "value": f"{r['wall_s']:.0f} s, {r['peak_mib']:,.0f} MiB peak"}
+                    for r in grown["rows"] if r["workflows"] == largest]
     if evictions:
         tables.append({"title": "one GPU eviction (LRU), median of 5", "head": ["evictable leaves", "us per eviction"],
                        "rows": [[f"{n:,}", f"{us:.2f}"] for n, us in evictions.items()]})
@@ -214,7 +289,8 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict) -> dict
                    "rows": [["ours (simulator/radix.py)", f"{tree['ours_ops_per_s']:,.0f}"],
                             ["SGLang RadixCache", f"{tree['sglang_ops_per_s']:,.0f}"]]})
     return {"about": "benchmarks/simulator_speed.py: the serving simulator per policy (perfect predictions for "
-                     "pbkv), one eviction as the tree grows, and our radix tree against SGLang's.",
+                     "pbkv unless a row names a predictor), as the number of workflows grows, one eviction as the "
+                     "tree grows, and our radix tree against SGLang's. One process on a shared 2-core machine.",
             "figures": figures, "tables": tables}
 
 
@@ -226,22 +302,26 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--routing", default="none")
+    parser.add_argument("--checkpoint", help="a train.py checkpoint: pbkv on it too (per step and tabled)")
+    parser.add_argument("--scaling", help="comma-separated numbers of workflows for the scaling table, e.g. 1000,10000")
     parser.add_argument("--no-eviction-cost", action="store_true", help="skip the evict_gpu timing")
     parser.add_argument("--tree-ops", type=int, default=20_000, help="operations of the tree-vs-SGLang stream")
     parser.add_argument("--only-tree-vs-sglang", action="store_true")
     parser.add_argument("--json", help="also write the figures and tables for the results page here")
     args = parser.parse_args()
-    speed = evictions = None
+    speed = evictions = grown = None
     if not args.only_tree_vs_sglang:
         speed = policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency, args.replicas,
-                             args.routing)
+                             args.routing, args.checkpoint)
+        if args.scaling:
+            grown = scaling(args.workload, [int(n) for n in args.scaling.split(",")], args.gpu_tokens, args.concurrency)
         if not args.no_eviction_cost:
             evictions = eviction_cost()
     tree = tree_vs_sglang(args.tree_ops)
     if args.json:
         from data.atomic import write_json
 
-        write_json(args.json, results_json(speed, evictions, tree))
+        write_json(args.json, results_json(speed, evictions, tree, grown))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,9 @@ class PredictorConfig(NoiseConfig, OnlineBackoffConfig):
                           "where predictor.train's checkpoints are cached", nonempty)
     max_unknown: float = knob(0.5, "share of the data's agents the checkpoint may not know (they map to <unk>)",
                               probability)
+    tabulate: bool = knob(True, "a network's predictions of every prefix computed before the replay, in large "
+                                "batches (false: once per scheduler step, as a server does; float32 rows then "
+                                "differ by a few 1e-7 with the batch they share)")
 
 
 @dataclass(frozen=True)

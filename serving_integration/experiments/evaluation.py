@@ -128,7 +128,7 @@ def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int
                                                    order=1)
         info = {"checkpoint": None, "family": "markov",
                 "note": "order 1, fitted on the train split (no predictor.checkpoint given)"}
-    return ModelSource(predictor), {**info, "online_backoff": p.online_backoff}
+    return ModelSource(predictor, tabulate=p.tabulate), {**info, "online_backoff": p.online_backoff}
 
 
 def for_run(p: PredictorConfig, source, seed: int, learned: bool):

@@ -301,3 +301,31 @@ def test_tabled_predictions_replay_exactly_as_per_step_predictions():
     assert source.table is not None and source.table.covers(workflows)
     per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(MarkovPerStep(markov)))
     assert tabled == per_step
+
+
+def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
+    """A float32 network's rows move by a few 1e-7 with the batch they share, so a tabled replay
+    (evaluate's default, predictor.tabulate) is not bit for bit the per-step one; on this workload
+    no decision moves, and the trust meter's running quality differs only in its last digits."""
+    import torch
+
+    from models.graph import CallGraph
+    from models.graphsage import GraphSAGEPredictor
+    from serving_integration.cache.predictions import ModelSource
+
+    workflows = small_workload("hover", 40, 2)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    index = {a: i for i, a in enumerate(names)}
+    graph = CallGraph.from_sequences([[index[c.agent] for c in w.calls] for w in workflows], len(names))
+    torch.manual_seed(0)
+    network = GraphSAGEPredictor(names, 3, graph=graph.to_dict(), dim=16, hidden=32, identity=False).eval()
+    config = SimConfig(gpu_tokens=120_000, concurrency=8)
+    tabled_source = ModelSource(network, tabulate=True)
+    tabled = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative", predictions=tabled_source)
+    per_step = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
+                        predictions=ModelSource(network))
+    assert tabled_source.table is not None and tabled_source.table.covers(workflows)
+    quality = tabled.pop("prediction_quality"), per_step.pop("prediction_quality")
+    assert quality[0] == pytest.approx(quality[1], abs=1e-6)
+    tabled.pop("predictor_time_s", None), per_step.pop("predictor_time_s", None)
+    assert tabled == per_step
