@@ -414,8 +414,6 @@ class WorkflowRuntime:
         self.tags.pop(getattr(req, "rid", None), None)
         if tag is None:
             return
-        if tag.end_signal or not self.config.hidden_state:
-            self.hidden_of.pop(req.rid, None)
         if tag.end_signal:  # sent after the workflow's last call returned
             self.stats.count("end_signals")
             if tag.workflow_id in self.workflows:
