@@ -477,6 +477,12 @@ def test_hidden_states_are_captured_projected_and_predicted_with(hidden_checkpoi
         serving.serve(prompt(300), [1], other, prefill=prefill)
         assert seen["asked"] == (False, CaptureHiddenMode.NULL)
     assert runtime.stats["hidden_captured"] == 2
+    serving.serve(prompt(400), [1], {**tag("C", "a"), "return_hidden": "yes"})  # not a boolean
+    assert runtime.stats["metadata_bad"] == 1
+    from serving_integration.cache.workflow_tags import WorkflowTag, tag_from_payload
+
+    asking = WorkflowTag("W", "a", 1, return_hidden=True)
+    assert tag_from_payload(asking.as_payload()) == asking and "return_hidden" not in WorkflowTag("W", "a").as_payload()
 
 
 @pytest.mark.parametrize("fault", ["nan", "wrong size", "not captured"])
