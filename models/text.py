@@ -185,10 +185,16 @@ class TextFeatures:
 
     def hidden_vectors(self, hiddens) -> Tensor:
         """[B, dim] from hidden vectors of the model's hidden size (projected here) or already of the
-        predictor's input size (projected at capture: the serving plugin); None or []: zeros."""
-        rows = [self.project(torch.as_tensor(h, dtype=torch.float32).view(1, -1))[0] if h is not None and len(h)
-                else torch.zeros(self.spec.dim) for h in hiddens]  # no hidden state: no text signal
-        return torch.stack(rows)
+        predictor's input size (projected at capture: the serving plugin); None or []: zeros (no
+        hidden state, no text signal). One projection per batch and size."""
+        rows = torch.zeros(len(hiddens), self.spec.dim)
+        by_size: dict[int, list[int]] = {}
+        for i, h in enumerate(hiddens):
+            if h is not None and len(h):
+                by_size.setdefault(len(h), []).append(i)
+        for where in by_size.values():
+            rows[where] = self.project(torch.as_tensor([hiddens[i] for i in where], dtype=torch.float32))
+        return rows
 
     def project(self, rows: Tensor) -> Tensor:
         """[B, hidden_size] -> [B, dim] by the fixed projection; rows of size dim are returned as they are."""
