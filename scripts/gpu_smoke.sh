@@ -158,6 +158,6 @@ echo "== 6/7 text signals on the collected traces (graphsage: hidden / encoder /
 echo "== 7/7 pbkv serving the hidden-state checkpoint ($RUN/train_hidden/predictor.pt)"
 serve_hidden pbkv_hidden --policy pbkv --checkpoint "$RUN/train_hidden/predictor.pt"
 "$PY" -m serving_integration.experiments.bench --url "http://127.0.0.1:$PORT" --data "$RUN/data" --split all \
-    --concurrency "$CONCURRENCY" --tool-time-scale "$TOOL_TIME_SCALE" --policy pbkv_hidden --out "$RUN/bench_hidden" \
+    --concurrency "$CONCURRENCY" --tool-time-scale "$TOOL_TIME_SCALE" --policy pbkv --out "$RUN/bench_hidden" \
     --no-progress
 stop_server
