@@ -7,8 +7,9 @@
 
 Each run is named by its checkpoint's family; with several seeds per family the table shows
 mean +- standard deviation over them; `--by text` names each row by family and text signal
-(`graphsage [hidden]`), `--interval` shows the mean with its 95% Student-t interval instead. `top1` is unconditional (steps past a workflow's end count
-as END), `top1_alive` counts only steps up to the END (models/metrics.py). On generated data a
+(`graphsage [hidden]`), `--interval` shows the mean with its 95% Student-t interval instead.
+`top1` is unconditional (steps past a workflow's end count as END), `top1_alive` counts only
+steps up to the END (models/metrics.py). On generated data a
 last row gives the Bayes ceiling of top1 and top1_alive: the best any predictor can do knowing the
 latent the task text reveals and the whole history (data/generators.py, expected over the generator).
 """

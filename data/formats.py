@@ -2,9 +2,9 @@
 
 Records are validated with pydantic (strict types) line by line; then the cross-line rules
 (steps strictly increasing, one token count per segment id, nothing after end_of_workflow,
-every hidden vector of one size) are checked. Any invalid line fails the whole read with every issue listed, unless
-`skip_bad_lines` is set, in which case the bad lines are dropped and reported in
-`Traces.skipped`.
+every hidden vector of one size) are checked. Any invalid line fails the whole read with every
+issue listed, unless `skip_bad_lines` is set, in which case the bad lines are dropped and
+reported in `Traces.skipped`.
 """
 
 from __future__ import annotations

@@ -494,11 +494,13 @@ def hidden_report(info: dict) -> str | None:
     """One line on the plugin's hidden-state capture: calls captured, failed, used by predictions, and
     the cost per request (SGLang's copy to the host + the plugin's conversion and projection)."""
     plugin = plugin_state(info)
-    counters, cost = plugin.get("counters", {}), (plugin.get("hidden") or {}).get("cost_ms")
+    counters, hidden = plugin.get("counters", {}), plugin.get("hidden") or {}
     if not plugin.get("config", {}).get("hidden_state"):
         return None
-    line = (f"hidden state: {counters.get('hidden_captured', 0)} captured (size {plugin['hidden'].get('size')}), "
-            f"{counters.get('hidden_capture_failed', 0)} failed, {counters.get('hidden_missing', 0)} calls without one, "
+    cost = hidden.get("cost_ms")
+    line = (f"hidden state: {counters.get('hidden_captured', 0)} captured (size {hidden.get('size')}), "
+            f"{counters.get('hidden_capture_failed', 0)} failed, "
+            f"{counters.get('hidden_missing', 0)} calls without one, "
             f"{counters.get('predicted_with_hidden', 0)} predictions used one")
     if cost:
         line += (f"; cost per request (copy + projection) mean {cost['mean']:.3f} ms, p50 {cost['p50']:.3f}, "

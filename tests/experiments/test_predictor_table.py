@@ -40,5 +40,6 @@ def test_rows_by_text_signal_with_student_t_intervals(tmp_path):
     assert f"| graphsage [hidden] | 3 | 0.800 [{0.8 - half:.3f}, {0.8 + half:.3f}] |" in table
     assert "| graphsage [none] | 3 | 0.500 [0.500, 0.500] |" in table and "| markov [none] | 1 |" in table
     lines = table.splitlines()
-    assert [line.split(" |")[0] for line in lines[2:]] == ["| markov [none]", "| graphsage [hidden]", "| graphsage [none]"]
+    assert [line.split(" |")[0] for line in lines[2:]] == ["| markov [none]", "| graphsage [hidden]",
+                                                          "| graphsage [none]"]
     assert pytest.approx(half, abs=1e-3) == 0.248

@@ -46,7 +46,8 @@ def loop(tmp_path_factory):
     # collect: a fresh pbkv_lae --hidden-state server, the train split's first workflows replayed with --save-trace
     collected = root / "collected"
     assert bench_collect.main(["--data", str(dataset), "--split", "train", "--n-workflows", str(COLLECTED_WORKFLOWS),
-                               "--concurrency", "2", "--out", str(collected), "--json", str(root / "figures.json")]) == 0
+                               "--concurrency", "2", "--out", str(collected),
+                               "--json", str(root / "figures.json")]) == 0
     (collect_row,) = json.loads((collected / "bench" / "summary.json").read_text())["rows"]
     # train: graphsage on the collected hidden states (train.py, hashing identities, two epochs)
     run = root / "train"
