@@ -188,10 +188,30 @@ def preflight(args: argparse.Namespace) -> list[str]:
     if args.policy == "kvflow" and not (args.step_graph_traces and Path(args.step_graph_traces).is_dir()):
         problems.append("--policy kvflow needs --step-graph-traces DIR (a trace dataset)")
     try:
-        policy_config(args)
+        problems += hidden_layer_problems(policy_config(args), args)
     except ValueError as e:
         problems.append(str(e))
     return problems
+
+
+def hidden_layer_problems(config: dict, args: argparse.Namespace) -> list[str]:
+    """SGLang's aux capture (EAGLE3 convention) takes layer L's output as the input of layer L + 1:
+    the last layer has none, and a layer past the model fails inside the scheduler. Checked here
+    when the model's config.json is at hand (a local model directory, or the tiny CPU model)."""
+    layer = config.get("hidden_layer")
+    if layer is None:
+        return []
+    if args.model_path:
+        config_file = Path(args.model_path) / "config.json"
+        layers = json.loads(config_file.read_text()).get("num_hidden_layers") if config_file.is_file() else None
+    else:
+        from serving_integration.server.tiny_model import SPEC
+
+        layers = SPEC["num_hidden_layers"]
+    if layers is not None and not 0 <= layer < layers - 1:
+        return [f"--hidden-layer {layer}: the model has {layers} layers; SGLang's capture takes the output of "
+                f"layers 0..{layers - 2} (the last one's is the final hidden state: leave --hidden-layer out)"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -510,6 +510,10 @@ def test_launch_adds_sglangs_hidden_state_flags(hidden_checkpoint, capsys):
     assert "--enable-return-hidden-states --return-hidden-states-mode last" in cmd
     assert "--return-aux-hidden-state-layer-ids 1" in cmd
     assert launch.main(["--model-path", "m", "--policy", "lru", "--hidden-state", "--dry-run"]) == 2
+    capsys.readouterr()
+    assert launch.main(["--cpu", "--policy", "pbkv_lae", "--hidden-state", "--hidden-layer", "1", "--dry-run"]) == 2
+    assert "the model has 2 layers" in capsys.readouterr().err  # the tiny model: only layer 0 has an output to take
+    assert launch.main(["--cpu", "--policy", "pbkv_lae", "--hidden-state", "--hidden-layer", "0", "--dry-run"]) == 0
 
 
 def test_stats_file_and_kvflow_step_graph(tmp_path, hover_small):
