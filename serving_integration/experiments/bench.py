@@ -539,7 +539,10 @@ def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: 
     source = out / f"calls.{fmt}.jsonl"
     write_jsonl_atomic(source, (native_records if fmt == "native" else chat_records)(rows, segments))
     hidden = []
-    if any(row["hidden"] for row in rows) and model:
+    if rows and not any(row["hidden"] for row in rows):
+        print("note: the server sent no hidden states; the trace has none (serve with launch --hidden-state "
+              "and a plugin policy to collect them)", file=sys.stderr)
+    elif model:
         hidden = [f"hidden_model={json.dumps(str(model.get('path') or ''))}"]
         if model.get("hidden_size"):
             hidden.append(f"hidden_size={int(model['hidden_size'])}")

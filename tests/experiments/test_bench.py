@@ -27,13 +27,14 @@ EVALUATE_ROW_KEYS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrenc
 class SGLangDouble:
     """/generate and /server_info in SGLang 0.5.23's response schema, on 127.0.0.1 (a thread)."""
 
-    def __init__(self, fail_every: int = 0):
+    def __init__(self, fail_every: int = 0, hidden: bool = True):
         self.bodies: list[dict] = []
         self.ends: list[dict] = []  # end-of-workflow signals (kept apart from the calls)
         self.replies: list[dict] = []  # per request: output ids and cached tokens reported
         self.sequences: list[np.ndarray] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_every = fail_every
+        self.hidden = hidden  # a plugin with hidden_state on: it sends each call's state back when asked
         self.port = None
 
     # ---------------------------------------------------------------- the protocol
@@ -72,7 +73,7 @@ class SGLangDouble:
                 meta = {"id": body["rid"], "prompt_tokens": len(ids), "completion_tokens": done,
                         "cached_tokens": cached, "cached_tokens_details": {"device": cached - host, "host": host},
                         "finish_reason": {"type": "length", "length": n_out} if done == n_out else None}
-                if tag.get("return_hidden"):  # the plugin's captured hidden state, as its hook sends it back
+                if tag.get("return_hidden") and self.hidden:  # the plugin's captured state, as its hook sends it
                     meta["pbkv_hidden"] = [self.hidden_of(ids)]
                 if done == n_out:
                     meta["e2e_latency"] = 0.01
@@ -229,6 +230,16 @@ def test_replay_streams_measures_and_saves_a_trace(dataset, tmp_path, capsys):
         assert saved["hidden"] == pytest.approx(server.hidden_of(ids))  # float32 in the stored column
     assert collected.meta["hidden"] == {"model": "org/double", "size": 8}
     assert row["hidden_cost_ms"]["mean"] == 0.05
+
+
+def test_a_trace_saved_from_a_server_without_hidden_states_says_so(dataset, tmp_path, capsys):
+    with SGLangDouble(hidden=False) as server:
+        assert bench.main(["--url", server.url, "--data", str(dataset), "--split", "all", "--n-workflows", "1",
+                           "--concurrency", "1", "--tool-time-scale", "0", "--out", str(tmp_path / "run"),
+                           "--no-progress", "--save-trace", str(tmp_path / "collected")]) == 0
+    assert "the server sent no hidden states" in capsys.readouterr().err
+    collected = store.load(tmp_path / "collected" / "dataset")
+    assert "hidden" not in collected.meta and all(r["hidden"] == [] for r in collected.rows())
 
 
 def test_plain_responses_kv_hints_failures_and_append(dataset, tmp_path):
