@@ -39,9 +39,10 @@ class WorkflowPrefix:
 
     agents: list[str]  # agents this live workflow has called so far, in order (>= 1)
     task: str = ""  # the workflow's task text
-    # the serving model's hidden state at the latest request's last prefill token, if known: of the
-    # model's hidden size, or already projected to the predictor's input size (Predictor.project_hidden)
-    hidden: list[float] | None = None
+    # the serving model's hidden state at the latest request's last prefill token, if known (floats: a
+    # list or an array): of the model's hidden size, or already projected to the predictor's input
+    # size (Predictor.project_hidden)
+    hidden: Sequence[float] | None = None
 
 
 @dataclass

@@ -192,8 +192,8 @@ class TextFeatures:
         for i, h in enumerate(hiddens):
             if h is not None and len(h):
                 by_size.setdefault(len(h), []).append(i)
-        for where in by_size.values():
-            rows[where] = self.project(torch.as_tensor([hiddens[i] for i in where], dtype=torch.float32))
+        for where in by_size.values():  # lists (traces) or float32 arrays (the serving plugin's)
+            rows[where] = self.project(torch.from_numpy(np.asarray([hiddens[i] for i in where], dtype=np.float32)))
         return rows
 
     def project(self, rows: Tensor) -> Tensor:

@@ -123,7 +123,7 @@ class LiveWorkflow:
     id: str
     task: str = ""
     agents: list[str] = field(default_factory=list)  # agents of its finished calls, in order
-    hidden: list[float] | None = None
+    hidden: Any = None  # its latest call's hidden state (float32 array of the predictor's input size), if read
     running: set = field(default_factory=set)  # rids of its requests in flight
     last_seen: float = 0.0
 
@@ -346,10 +346,11 @@ class WorkflowRuntime:
         self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
         self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
         # hidden states: the predictor that reads them (None: it does not), the vectors of requests
-        # whose prefill finished (rid -> vector, the predictor's input size), per-request costs
+        # whose prefill finished (rid -> vector of the predictor's input size; None: captured, but no
+        # predictor reads it), per-request costs
         model = model_of(source)
         self.hidden_reader = model if model is not None and getattr(model, "uses_hidden", False) else None
-        self.hidden_of: OrderedDict[Any, list[float]] = OrderedDict()
+        self.hidden_of: OrderedDict[Any, Any] = OrderedDict()
         self.hidden_costs_ms: deque = deque(maxlen=HIDDEN_COSTS)
         self.hidden_size: int | None = None  # of the vectors SGLang returned
         self._stats_written = -math.inf
@@ -423,9 +424,9 @@ class WorkflowRuntime:
         wf.running.discard(req.rid)
         wf.agents.append(tag.agent)
         if self.config.hidden_state:
-            wf.hidden = self.hidden_of.pop(req.rid, None)
-            if wf.hidden is None:
+            if req.rid not in self.hidden_of:
                 self.stats.count("hidden_missing")  # predicted without it (zeros, as in training)
+            wf.hidden = self.hidden_of.pop(req.rid, None)
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
@@ -458,7 +459,8 @@ class WorkflowRuntime:
                 log.warning("PBKV: no hidden state for request %s (%s); its workflow is predicted without it",
                             getattr(req, "rid", None), e)
             return None
-        self.hidden_of[req.rid] = kept[0].tolist()
+        # kept only for a predictor that reads it, as float32 (4 bytes a value, not a list's 32)
+        self.hidden_of[req.rid] = kept[0].numpy().copy() if self.hidden_reader is not None else None
         while len(self.hidden_of) > MAX_REMEMBERED_REQUESTS:
             self.hidden_of.popitem(last=False)
         self.hidden_size = raw.shape[1]

@@ -454,7 +454,8 @@ def test_hidden_states_are_captured_projected_and_predicted_with(hidden_checkpoi
     assert info == {"pbkv_hidden": [pytest.approx(vector)]}  # sent back: the tag asked
     predictor = load_predictor(hidden_checkpoint)
     projected = predictor.project_hidden(torch.tensor([vector]))[0]
-    assert runtime.workflows["A"].hidden == pytest.approx(projected.tolist())  # 8 values: the predictor's input
+    kept = runtime.workflows["A"].hidden  # 8 float32 values: the predictor's input, as the plugin keeps it
+    assert kept.dtype == "float32" and list(kept) == pytest.approx(projected.tolist())
     serving.step()
     assert runtime.stats["hidden_captured"] == 1 and runtime.stats["predicted_with_hidden"] == 1
     expected = predictor.predict([WorkflowPrefix(["a"], "", vector)])  # the raw vector, projected inside
