@@ -3,10 +3,13 @@
     python train.py -m model=graphsage,rgcn,markov,intent_residual hydra.sweep.dir=multirun/families
     python -m benchmarks.predictor_table multirun/families                    # top-1, k = 1..K
     python -m benchmarks.predictor_table multirun/families --metric top3 nll
+    python -m benchmarks.predictor_table multirun/signals --by text --interval   # conf/train_experiment/signals.yaml
 
 Each run is named by its checkpoint's family; with several seeds per family the table shows
-mean +- standard deviation over them. `top1` is unconditional (steps past a workflow's end count
-as END), `top1_alive` counts only steps up to the END (models/metrics.py). On generated data a
+mean +- standard deviation over them; `--by text` names each row by family and text signal
+(`graphsage [hidden]`), `--interval` shows the mean with its 95% Student-t interval instead.
+`top1` is unconditional (steps past a workflow's end count as END), `top1_alive` counts only
+steps up to the END (models/metrics.py). On generated data a
 last row gives the Bayes ceiling of top1 and top1_alive: the best any predictor can do knowing the
 latent the task text reveals and the whole history (data/generators.py, expected over the generator).
 """
@@ -33,25 +36,41 @@ def find_runs(paths: list[Path]) -> list[Path]:
     return runs
 
 
-def cell(values: list[float]) -> str:
+def cell(values: list[float], interval: bool = False) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    mean = statistics.mean(values)
+    if interval:
+        from scipy import stats
+
+        half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+        return f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]"
+    return f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
-def format_table(paths: list[Path], metrics: list[str], split: str = "test") -> str:
-    """The Markdown table: one row per family, one column per (metric, k)."""
+def run_label(checkpoint: dict, by_text: bool) -> str:
+    """The family, and with `by_text` its text signal (none for families without one)."""
+    family = checkpoint["family"]
+    if not by_text:
+        return family
+    return f"{family} [{(checkpoint['init'].get('text') or {}).get('source', 'none')}]"
+
+
+def format_table(paths: list[Path], metrics: list[str], split: str = "test", by_text: bool = False,
+                 interval: bool = False) -> str:
+    """The Markdown table: one row per family (and text signal), one column per (metric, k)."""
     by_family: dict[str, list[dict]] = defaultdict(list)
     for run in find_runs(paths):
         values = json.loads((run / "metrics.json").read_text())
-        by_family[read_checkpoint(values["checkpoint"])["family"]].append(values)
+        by_family[run_label(read_checkpoint(values["checkpoint"]), by_text)].append(values)
     horizon = max(int(k.rsplit("_k", 1)[1]) for k in next(iter(by_family.values()))[0] if "/" in k and "_k" in k)
     columns = [(m, k) for m in metrics for k in range(1, horizon + 1)]
     lines = ["| family | runs | " + " | ".join(f"{m} k={k}" for m, k in columns) + " |",
              "|---|---|" + "---|" * len(columns)]
-    for family in sorted(by_family, key=lambda f: ORDER.index(f) if f in ORDER else len(ORDER)):
+    for family in sorted(by_family, key=lambda f: (ORDER.index(f.split(" ")[0]) if f.split(" ")[0] in ORDER
+                                                   else len(ORDER), f)):
         runs = by_family[family]
-        cells = [cell([r[f"{split}/{m}_k{k}"] for r in runs]) for m, k in columns]
+        cells = [cell([r[f"{split}/{m}_k{k}"] for r in runs], interval) for m, k in columns]
         lines.append(f"| {family} | {len(runs)} | " + " | ".join(cells) + " |")
     ceilings = {json.dumps(r.get("bayes_ceiling"), sort_keys=True) for rs in by_family.values() for r in rs}
     if len(ceilings) == 1 and (ceiling := json.loads(ceilings.pop())):
@@ -66,8 +85,11 @@ def main() -> None:
     parser.add_argument("--metric", nargs="+", default=["top1", "top1_alive"],
                         help="top1 top1_alive top3 nll ece end_acc")
     parser.add_argument("--split", default="test", choices=["val", "test"])
+    parser.add_argument("--by", choices=["family", "text"], default="family",
+                        help="text: one row per family and text signal (hidden, encoder, none)")
+    parser.add_argument("--interval", action="store_true", help="mean and 95%% Student-t interval over the runs")
     args = parser.parse_args()
-    print(format_table(args.runs, args.metric, args.split))
+    print(format_table(args.runs, args.metric, args.split, args.by == "text", args.interval))
 
 
 if __name__ == "__main__":

@@ -184,6 +184,10 @@ class TraceSource:
     format: str = knob(MISSING, "the source's format", one_of(_formats))
     src: str = knob(MISSING, "the trace file or folder", nonempty)
     skip_bad_lines: bool = knob(False, "true drops invalid records and lists them instead of failing")
+    hidden_model: Optional[str] = knob(None, "the serving model whose hidden states the calls carry (recorded in "
+                                             "meta.json as hidden.model)")
+    hidden_size: Optional[int] = knob(None, "every call's hidden vector has this many values (null: as many as the "
+                                            "first one); recorded in meta.json as hidden.size", at_least(1))
 
     def __post_init__(self):
         check(self)

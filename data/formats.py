@@ -1,10 +1,10 @@
-"""Readers and writers of the two JSON Lines trace formats (shared/docs/trace-format.md).
+"""Readers and writers of the two JSON Lines trace formats (docs/datasets.md, "Trace formats").
 
 Records are validated with pydantic (strict types) line by line; then the cross-line rules
-(steps strictly increasing, one token count per segment id, nothing after end_of_workflow)
-are checked. Any invalid line fails the whole read with every issue listed, unless
-`skip_bad_lines` is set, in which case the bad lines are dropped and reported in
-`Traces.skipped`.
+(steps strictly increasing, one token count per segment id, nothing after end_of_workflow,
+every hidden vector of one size) are checked. Any invalid line fails the whole read with every
+issue listed, unless `skip_bad_lines` is set, in which case the bad lines are dropped and
+reported in `Traces.skipped`.
 """
 
 from __future__ import annotations
@@ -159,6 +159,32 @@ def _finish(issues: list[Issue], skip_bad_lines: bool) -> list[Issue]:
     return issues
 
 
+class HiddenSize:
+    """The one size of a trace's hidden vectors: declared (`hidden_size`), else the first one's.
+    Checked line by line; `meta()` is what meta.json records (model and size), {} without vectors."""
+
+    def __init__(self, model: str | None = None, size: int | None = None):
+        self.model, self.size, self.declared = model, size, size is not None
+        self.first_line: int | None = None
+
+    def problem(self, hidden: list | None, line: int) -> tuple[str, str] | None:
+        if not hidden:
+            return None
+        if self.size is None:
+            self.size, self.first_line = len(hidden), line
+        if len(hidden) != self.size:
+            given = "hidden_size" if self.declared else f"the first vector, line {self.first_line}"
+            return "hidden", f"has {len(hidden)} values; the trace's hidden size is {self.size} ({given})"
+        if self.first_line is None:
+            self.first_line = line
+        return None
+
+    def meta(self) -> dict:
+        if self.first_line is None:
+            return {}
+        return {"hidden": {"model": self.model or "", "size": self.size}}
+
+
 def _group(records: Iterable[tuple[int, _Record]]) -> dict[str, list[tuple[int, _Record]]]:
     groups: dict[str, list] = defaultdict(list)
     for number, rec in records:
@@ -169,10 +195,13 @@ def _group(records: Iterable[tuple[int, _Record]]) -> dict[str, list[tuple[int, 
 # --------------------------------------------------------------------------- native format
 
 
-def read_native(path: str | os.PathLike, skip_bad_lines: bool = False) -> Traces:
+def read_native(path: str | os.PathLike, skip_bad_lines: bool = False, model: str | None = None,
+                size: int | None = None) -> Traces:
+    """`model`, `size`: the serving model of the calls' hidden vectors and their size (HiddenSize)."""
     file = str(path)
     issues: list[Issue] = []
-    groups = _group(parse_lines(path, NativeCall, issues))
+    hidden = HiddenSize(model, size)
+    groups = _group(_checked_hidden(parse_lines(path, NativeCall, issues), hidden, file, issues))
     segments = SegmentTable()
     calls = []
     for wid, lines in groups.items():
@@ -187,7 +216,18 @@ def read_native(path: str | os.PathLike, skip_bad_lines: bool = False) -> Traces
             last_line = number
         calls.extend(_native_rows(accepted))
     skipped = _finish(issues, skip_bad_lines)
-    return Traces(calls, segments, {"format": "native", "src": file, "tokenizer": "source counts"}, skipped)
+    return Traces(calls, segments, {"format": "native", "src": file, "tokenizer": "source counts", **hidden.meta()},
+                  skipped)
+
+
+def _checked_hidden(records, hidden: HiddenSize, file: str, issues: list[Issue]):
+    """The records whose hidden vector has the trace's size; an issue for each other one."""
+    for number, rec in records:
+        problem = hidden.problem(rec.hidden, number)
+        if problem:
+            issues.append(Issue(file, number, *problem))
+        else:
+            yield number, rec
 
 
 def _native_line_problem(rec, accepted, last_line, segments) -> tuple[str, str] | None:
@@ -233,11 +273,13 @@ def message_segment_id(role: str, content: str) -> str:
     return f"msg:{digest}"
 
 
-def read_chat(path: str | os.PathLike, counter: TokenCounter, skip_bad_lines: bool = False) -> Traces:
+def read_chat(path: str | os.PathLike, counter: TokenCounter, skip_bad_lines: bool = False,
+              model: str | None = None, size: int | None = None) -> Traces:
     issues: list[Issue] = []
-    records = list(parse_lines(path, ChatCall, issues))
+    hidden = HiddenSize(model, size)
+    records = list(_checked_hidden(parse_lines(path, ChatCall, issues), hidden, str(path), issues))
     traces = chat_to_traces(str(path), records, counter, issues, skip_bad_lines)
-    traces.meta.update({"format": "chat", "src": str(path)})
+    traces.meta.update({"format": "chat", "src": str(path), **hidden.meta()})
     return traces
 
 

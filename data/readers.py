@@ -12,13 +12,16 @@ from data.who_and_when import read_who_and_when
 FORMATS = ("chat", "native", "who_and_when", "tau_bench")
 
 
-def read_traces(format: str, src: str, skip_bad_lines: bool = False) -> Traces:
+def read_traces(format: str, src: str, skip_bad_lines: bool = False, hidden_model: str | None = None,
+                hidden_size: int | None = None) -> Traces:
     """Read and validate a trace source (``skip_bad_lines``: drop invalid records, listed in
-    ``Traces.skipped``, instead of failing)."""
+    ``Traces.skipped``, instead of failing). The calls' hidden vectors (native and chat) must all
+    have ``hidden_size`` values (None: as many as the first); model and size go to the meta."""
+    hidden = {"model": hidden_model, "size": hidden_size}
     if format == "native":
-        return read_native(src, skip_bad_lines)
+        return read_native(src, skip_bad_lines, **hidden)
     if format == "chat":
-        return read_chat(src, TokenCounter.wordpiece(), skip_bad_lines)
+        return read_chat(src, TokenCounter.wordpiece(), skip_bad_lines, **hidden)
     if format == "who_and_when":
         return read_who_and_when(src, skip_bad_lines=skip_bad_lines)
     if format == "tau_bench":

@@ -39,7 +39,10 @@ class WorkflowPrefix:
 
     agents: list[str]  # agents this live workflow has called so far, in order (>= 1)
     task: str = ""  # the workflow's task text
-    hidden: list[float] | None = None  # hidden vector of the latest request, if the trace has one
+    # the serving model's hidden state at the latest request's last prefill token, if known (floats: a
+    # list or an array): of the model's hidden size, or already projected to the predictor's input
+    # size (Predictor.project_hidden)
+    hidden: Sequence[float] | None = None
 
 
 @dataclass
@@ -129,6 +132,8 @@ class Predictor(nn.Module, ABC):
         self.max_path = int(max_path if max_path is not None else default_max_path())
         self.text_spec = TextSpec.from_dict(text)
         self.text_features = TextFeatures(self.text_spec, text_cache_size)
+        if self.text_features.projection is not None:  # the same tensor: loading a checkpoint fills it in place
+            self.register_buffer("hidden_projection", self.text_features.projection)
         self._agent_index = {name: i for i, name in enumerate(self.agent_names)}
 
     # ------------------------------------------------------------------ vocabulary
@@ -212,6 +217,16 @@ class Predictor(nn.Module, ABC):
         for tensor in self.buffers():
             return tensor.device
         return torch.device("cpu")
+
+    @property
+    def uses_hidden(self) -> bool:
+        """Whether the text signal is the serving model's hidden state."""
+        return self.text_spec.source == "hidden"
+
+    def project_hidden(self, rows: Tensor) -> Tensor:
+        """Hidden states [B, hidden size] -> the predictor's text input [B, D] (the checkpoint's fixed
+        projection, if any): what the serving plugin stores per live workflow."""
+        return self.text_features.project(rows)
 
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

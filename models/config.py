@@ -270,6 +270,9 @@ class DataModuleConfig(Knobs):
     batch_size: int = knob(256, "examples per training step", at_least(1))
     text_source: str = knob("auto", "h_txt from: auto (the trace's hidden vectors when every call has one, else "
                                     "the text encoder), hidden, encoder, none", one_of(TEXT_SOURCES))
+    hidden_dim: Optional[int] = knob(None, "with hidden vectors: the predictor's input size, reached by a fixed "
+                                           "random projection seeded by `seed` (stored in the checkpoint); null: "
+                                           "the vectors as they are", at_least(1))
 
 
 def _checkpoint_file_name(name: str) -> Optional[str]:

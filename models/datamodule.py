@@ -25,7 +25,7 @@ from data import store
 from data.schema import SPLITS
 from models.base import IGNORE_INDEX, UNK_ID, vocabulary
 from models.graph import CallGraph
-from models.text import TextSpec, agent_identity_text
+from models.text import TextFeatures, TextSpec, agent_identity_text
 
 
 @dataclass
@@ -72,14 +72,20 @@ def workflows_of(calls) -> list[Workflow]:
     return workflows
 
 
-def text_source_of(train: Sequence[Workflow], requested: str, encoder) -> TextSpec:
-    """auto: the trace's hidden vectors if every training call has one of one size, else the encoder."""
+def text_source_of(train: Sequence[Workflow], requested: str, encoder, hidden_dim: int | None = None,
+                   seed: int = 0) -> TextSpec:
+    """auto: the trace's hidden vectors if every training call has one of one size, else the encoder.
+    With hidden vectors and `hidden_dim` other than their size, a projection seeded by `seed`."""
     dims = {len(h) for wf in train for h in wf.hidden}
     has_hidden = len(dims) == 1 and 0 not in dims
     if requested == "hidden" or (requested == "auto" and has_hidden):
         if not has_hidden:
-            raise ValueError(f"text_source=hidden, but the training calls' hidden sizes are {sorted(dims)}")
-        return TextSpec("hidden", dims.pop())
+            raise ValueError(f"text_source=hidden, but the training calls' hidden sizes are {sorted(dims)}"
+                             " (0: calls without one)")
+        size = dims.pop()
+        if hidden_dim is None or hidden_dim == size:
+            return TextSpec("hidden", size)
+        return TextSpec("hidden", hidden_dim, hidden_size=size, projection_seed=seed)
     if requested not in ("auto", "encoder", "none"):
         raise ValueError(f"text_source must be auto, hidden, encoder or none, got {requested!r}")
     if encoder is None or requested == "none":
@@ -101,6 +107,7 @@ class TraceDataModule(pl.LightningDataModule):
         self.data_cfg, self.dataset = data, dataset
         self.horizon, self.max_path, self.batch_size = config.horizon, config.max_path, config.batch_size
         self.text_source, self.text_encoder, self.seed = config.text_source, text_encoder, config.seed
+        self.hidden_dim = config.hidden_dim
         self.corpus: Corpus | None = None
         self.splits: dict[str, TensorDataset] = {}
 
@@ -115,7 +122,7 @@ class TraceDataModule(pl.LightningDataModule):
         agent_names = vocabulary(a for wf in workflows["train"] for a in wf.agents)
         index = {name: i for i, name in enumerate(agent_names)}
         sequences = [[index[a] for a in wf.agents] for wf in workflows["train"]]
-        text = text_source_of(workflows["train"], self.text_source, self.text_encoder)
+        text = text_source_of(workflows["train"], self.text_source, self.text_encoder, self.hidden_dim, self.seed)
         # identities: an agent's system prompt comes with its calls, so val/test agents have one too
         prompts = self.dataset.system_prompts(None)
         unseen = sorted({a for split in ("val", "test") for wf in workflows[split] for a in wf.agents} - set(index))
@@ -154,18 +161,20 @@ class TraceDataModule(pl.LightningDataModule):
                 n_calls.append(t + 1)
                 labels.append(targets[t + 1:t + 1 + horizon])
                 texts.append(self.text_vector(wf, t, text, task_vectors))
+        texts = torch.stack(texts) if texts else torch.zeros(0, text.input_size)
+        if text.projection_seed is not None:  # the predictor's fixed projection (models.text), applied once
+            texts = TextFeatures(text).project(texts)
         return TensorDataset(torch.tensor(paths, dtype=torch.long).view(-1, width),
-                             torch.tensor(n_calls, dtype=torch.long),
-                             torch.stack(texts) if texts else torch.zeros(0, text.dim),
+                             torch.tensor(n_calls, dtype=torch.long), texts,
                              torch.tensor(labels, dtype=torch.long).view(-1, horizon))
 
     @staticmethod
     def text_vector(wf: Workflow, t: int, text: TextSpec, task_vectors: dict[str, Tensor]) -> Tensor:
         if text.source == "encoder":
             return task_vectors[wf.task]
-        if text.source == "hidden" and len(wf.hidden[t]) == text.dim:
+        if text.source == "hidden" and len(wf.hidden[t]) == text.input_size:
             return torch.tensor(wf.hidden[t], dtype=torch.float32)
-        return torch.zeros(text.dim)  # no text signal (or a call without a hidden state)
+        return torch.zeros(text.input_size)  # no text signal (or a call without a hidden state)
 
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)

@@ -9,6 +9,11 @@ Encoders (a config choice, recorded in the checkpoint):
 
 Serving sees the same task string after every call of a workflow, so :class:`TextFeatures`
 keeps the encodings of recent distinct strings in an LRU table and encodes only misses.
+
+Hidden states: a trace's (or the serving plugin's) vectors have the serving model's hidden size;
+with ``datamodule.hidden_dim`` set they are brought to the predictor's input size by a fixed
+random projection (Gaussian, seeded, :func:`projection_matrix`), which the predictor keeps as a
+buffer, so the checkpoint stores it.
 """
 
 from __future__ import annotations
@@ -101,19 +106,44 @@ def encoder_from_spec(spec: dict):
     return ENCODERS[kind](**spec)
 
 
+def projection_matrix(hidden_size: int, dim: int, seed: int) -> Tensor:
+    """The fixed random projection [hidden_size, dim] of hidden states to the predictor's input:
+    N(0, 1/dim) entries (Johnson-Lindenstrauss: it keeps distances up to a small factor)."""
+    generator = torch.Generator().manual_seed(int(seed))
+    return torch.randn(hidden_size, dim, generator=generator) / dim ** 0.5
+
+
 @dataclass(frozen=True)
 class TextSpec:
-    """Where h_txt comes from: nothing, the encoder over the task text, or the trace's hidden."""
+    """Where h_txt comes from: nothing, the encoder over the task text, or the trace's hidden.
+
+    `dim` is the predictor's input size; for hidden states `hidden_size` is the serving model's
+    (0: the same as `dim`) and `projection_seed` seeds the projection between them (None: none)."""
 
     source: str = "none"
     dim: int = 0
     encoder: dict | None = None  # the encoder's spec() when source == "encoder"
+    hidden_size: int = 0
+    projection_seed: int | None = None
 
     def __post_init__(self):
         if self.source not in TEXT_SOURCES:
             raise ValueError(f"text source must be one of {TEXT_SOURCES}, got {self.source!r}")
         if self.source == "encoder" and not self.encoder:
             raise ValueError("text source 'encoder' needs an encoder spec")
+        if self.projection_seed is not None and (self.source != "hidden" or self.hidden_size in (0, self.dim)):
+            raise ValueError(f"a hidden-state projection needs text source 'hidden' and a hidden size other than "
+                             f"dim={self.dim}, got source {self.source!r}, hidden_size={self.hidden_size}")
+
+    @property
+    def input_size(self) -> int:
+        """The size of the vectors this source is given: the model's hidden size, else `dim`."""
+        return (self.hidden_size or self.dim) if self.source == "hidden" else self.dim
+
+    def projection(self) -> Tensor | None:
+        if self.projection_seed is None:
+            return None
+        return projection_matrix(self.hidden_size, self.dim, self.projection_seed)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "TextSpec":
@@ -128,6 +158,7 @@ class TextFeatures:
 
     def __init__(self, spec: TextSpec, cache_size: int = TEXT_CACHE_SIZE):
         self.spec = spec
+        self.projection = spec.projection()  # the predictor registers it as a buffer (checkpointed)
         self.cache_size = int(cache_size)
         self._encoder = None
         self._rows: OrderedDict[str, int] = OrderedDict()  # task text -> row of _table
@@ -153,12 +184,27 @@ class TextFeatures:
         return self.encode_tasks([p.task for p in prefixes])
 
     def hidden_vectors(self, hiddens) -> Tensor:
-        zeros = [0.0] * self.spec.dim  # a request without a hidden state carries no text signal
-        rows = torch.as_tensor([zeros if h is None or len(h) == 0 else h for h in hiddens], dtype=torch.float32)
-        if rows.shape[1] != self.spec.dim:
-            raise ValueError(f"hidden vectors have {rows.shape[1]} dims, the predictor was trained on "
-                             f"{self.spec.dim}")
+        """[B, dim] from hidden vectors of the model's hidden size (projected here) or already of the
+        predictor's input size (projected at capture: the serving plugin); None or []: zeros (no
+        hidden state, no text signal). One projection per batch and size."""
+        rows = torch.zeros(len(hiddens), self.spec.dim)
+        by_size: dict[int, list[int]] = {}
+        for i, h in enumerate(hiddens):
+            if h is not None and len(h):
+                by_size.setdefault(len(h), []).append(i)
+        for where in by_size.values():  # lists (traces) or float32 arrays (the serving plugin's)
+            rows[where] = self.project(torch.from_numpy(np.asarray([hiddens[i] for i in where], dtype=np.float32)))
         return rows
+
+    def project(self, rows: Tensor) -> Tensor:
+        """[B, hidden_size] -> [B, dim] by the fixed projection; rows of size dim are returned as they are."""
+        size = rows.shape[-1]
+        if size == self.spec.dim:
+            return rows
+        if self.projection is None or size != self.spec.hidden_size:
+            raise ValueError(f"hidden vectors have {size} dims, the predictor takes {self.spec.dim}"
+                             + (f" (or {self.spec.hidden_size}, projected)" if self.projection is not None else ""))
+        return rows @ self.projection.to(rows.dtype)
 
     def encode_tasks(self, tasks: Sequence[str]) -> Tensor:
         distinct = list(dict.fromkeys(tasks))

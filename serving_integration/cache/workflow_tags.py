@@ -22,6 +22,9 @@ knows a workflow is over only after its last call returned, so the benchmark cli
 as its own tiny request after the last call (`end_signal: true`, with `workflow_end: true`): the
 plugin retires the workflow and records nothing else of that request (it is no agent call).
 `task` (the workflow's task text) is read once, for the predictor's text signal.
+`return_hidden: true` asks a plugin that captures hidden states (`hidden_state`) to send the
+request's hidden state at its last prefill token back, as `meta_info.pbkv_hidden` = [vector]
+(the benchmark client's --save-trace stores it in the collected trace).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ CUSTOM_PARAMS_KEY = "pbkv"
 HINT_ACTION_TYPE = "pbkv.workflow"
 HINT_ACTION_VERSION = "1"
 RID_PREFIX = "pbkv1."
+HIDDEN_RESPONSE_KEY = "pbkv_hidden"  # meta_info key of a hidden state sent back (`return_hidden`)
 MAX_ID_CHARS = 256  # longer ids are rejected as bad metadata rather than stored
 MAX_TASK_CHARS = 4096
 
@@ -48,12 +52,15 @@ class WorkflowTag:
     workflow_end: bool = False
     task: str = ""
     end_signal: bool = False  # the request only signals the workflow's end (no agent call)
+    return_hidden: bool = False  # send the captured hidden state back (meta_info.pbkv_hidden)
 
     def as_payload(self) -> dict:
         payload: dict[str, Any] = {"workflow_id": self.workflow_id, "agent": self.agent,
                                    "workflow_end": self.workflow_end}
         if self.end_signal:
             payload["end_signal"] = True
+        if self.return_hidden:
+            payload["return_hidden"] = True
         if self.step is not None:
             payload["step"] = self.step
         if self.task:
@@ -110,7 +117,10 @@ def tag_from_payload(payload: Any) -> WorkflowTag:
         raise BadTag("'end_signal' must be a boolean")
     if signal and not end:
         raise BadTag("an end signal ('end_signal': true) must carry 'workflow_end': true")
-    return WorkflowTag(workflow_id, agent, step, end, task[:MAX_TASK_CHARS], signal)
+    return_hidden = payload.get("return_hidden", False)
+    if not isinstance(return_hidden, bool):
+        raise BadTag("'return_hidden' must be a boolean")
+    return WorkflowTag(workflow_id, agent, step, end, task[:MAX_TASK_CHARS], signal, return_hidden)
 
 
 def end_signal_tag(workflow_id: str, agent: str) -> WorkflowTag:

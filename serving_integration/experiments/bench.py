@@ -23,7 +23,9 @@ server reports (`meta_info.cached_tokens`, split device / host by `cached_tokens
 writes summary.json with one row in evaluate.py's schema (hit_rate is the GPU hit share of prompt
 tokens; host hits are counted apart), calls.jsonl with every call, and with --save-trace the
 replayed calls as a trace dataset (native trace format, imported with data.import_traces): the way
-to collect traces from a live server.
+to collect traces from a live server. With --save-trace each call's tag asks the plugin for the
+hidden state it captured (`return_hidden`; the server runs with --hidden-state), which the trace
+stores per call, with the served model's name and hidden size in the dataset's meta.json.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import numpy as np
 
 from serving_integration.cache.metrics import replay_metrics
 from serving_integration.experiments.rows import make_row
-from serving_integration.cache.workflow_tags import (WorkflowTag, custom_params_for, end_signal_tag, kv_hints_for,
-                                                     rid_for)
+from serving_integration.cache.workflow_tags import (HIDDEN_RESPONSE_KEY, WorkflowTag, custom_params_for,
+                                                     end_signal_tag, kv_hints_for, rid_for)
 
 CHUNK = 256  # tokens per deterministic draw; fixed so that segment token lists are prefix-stable
 
@@ -136,6 +138,7 @@ class CallResult:
     segments: list = field(default_factory=list)  # [(segment id, tokens sent)]
     output_ids: list = field(default_factory=list)
     output_text: str = ""  # the server's detokenized output (empty with --skip-tokenizer-init)
+    hidden: list = field(default_factory=list)  # the plugin's hidden state of the last prefill token, if sent
     replica: int = -1  # the replica the client routed the call to (pbkv routing); -1: the router chose
 
 
@@ -146,11 +149,11 @@ END_SIGNALS = ("request", "last-call", "none")
 
 
 def request_body(call: ReplayCall, input_ids: list[int], metadata: str, stream: bool, rid: str,
-                 end_on_last_call: bool = False) -> dict:
+                 end_on_last_call: bool = False, return_hidden: bool = False) -> dict:
     sampling = {"max_new_tokens": max(call.output_tokens, 1), "ignore_eos": True, "temperature": 0.0}
     # the task text (the predictor's text signal) travels once, on the workflow's first call
     tag = WorkflowTag(call.workflow_id, call.agent, call.step, call.last and end_on_last_call,
-                      call.task if call.first else "")
+                      call.task if call.first else "", return_hidden=return_hidden)
     return tagged_body(tag, input_ids, sampling, metadata, stream, rid)
 
 
@@ -181,6 +184,9 @@ def read_meta(result: CallResult, meta: dict) -> None:
     result.host_tokens = int(details.get("host", 0))
     if meta.get("e2e_latency") is not None:
         result.server_e2e_s = float(meta["e2e_latency"])
+    hidden = meta.get(HIDDEN_RESPONSE_KEY)  # [vector] once the prefill is done (the plugin's return_hidden)
+    if isinstance(hidden, list) and hidden and isinstance(hidden[0], list):
+        result.hidden = hidden[0]
 
 
 def take_output(result: CallResult, chunk: dict) -> None:
@@ -254,7 +260,8 @@ class ClosedLoopReplay:
                  metadata: str = "custom_params", stream: bool = True, tool_time_scale: float = 1.0,
                  request_timeout_s: float = 600.0, progress: bool = True, end_signal: str = "request",
                  routing: str = "none", replicas: int = 1, worker_index: list[int] | None = None,
-                 replica_capacity_tokens: float = math.inf, router_options: dict | None = None):
+                 replica_capacity_tokens: float = math.inf, router_options: dict | None = None,
+                 return_hidden: bool = False):
         from serving_integration.cache.router import ROUTERS, ClientReplica, make_router
 
         if end_signal not in END_SIGNALS:
@@ -269,6 +276,7 @@ class ClosedLoopReplay:
             if sorted(self.worker_index) != list(range(replicas)):
                 raise ValueError(f"worker_index must order the {replicas} replicas; got {self.worker_index}")
         self.end_signal, self.end_signals_failed, self.end_signals_sent = end_signal, 0, 0
+        self.return_hidden = return_hidden  # ask the plugin for each call's hidden state (--save-trace)
         self.visited: dict[str, dict[int, None]] = {}  # pbkv routing: workflow -> replicas its calls went to
         self.url, self.workflows, self.concurrency = url.rstrip("/"), workflows, concurrency
         self.tokens, self.metadata, self.stream = tokens, metadata, stream
@@ -364,7 +372,8 @@ class ClosedLoopReplay:
         headers, result.replica, routed = self._route(call, segments)
         try:
             await generate(session, self.url, request_body(call, input_ids, self.metadata, self.stream, rid,
-                                                           end_on_last_call=self.end_signal == "last-call"),
+                                                           end_on_last_call=self.end_signal == "last-call",
+                                                           return_hidden=self.return_hidden),
                            result, self._clock, headers)
         finally:
             if result.replica >= 0:
@@ -477,14 +486,36 @@ def served_by(infos: list[dict]) -> dict[tuple[str, int], int]:
 
 def plugin_metrics(info: dict) -> dict:
     plugin = plugin_state(info)
-    return {"prefetch_precision": plugin.get("prefetch_precision"), "plugin_counters": plugin.get("counters", {})}
+    return {"prefetch_precision": plugin.get("prefetch_precision"), "plugin_counters": plugin.get("counters", {}),
+            "hidden_cost_ms": (plugin.get("hidden") or {}).get("cost_ms")}
 
 
-def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: Path, fmt: str) -> Path:
+def hidden_report(info: dict) -> str | None:
+    """One line on the plugin's hidden-state capture: calls captured, failed, used by predictions, and
+    the cost per request (SGLang's copy to the host + the plugin's conversion and projection)."""
+    plugin = plugin_state(info)
+    counters, hidden = plugin.get("counters", {}), plugin.get("hidden") or {}
+    if not plugin.get("config", {}).get("hidden_state"):
+        return None
+    cost = hidden.get("cost_ms")
+    line = (f"hidden state: {counters.get('hidden_captured', 0)} captured (size {hidden.get('size')}), "
+            f"{counters.get('hidden_capture_failed', 0)} failed, "
+            f"{counters.get('hidden_missing', 0)} calls without one, "
+            f"{counters.get('predicted_with_hidden', 0)} predictions used one")
+    if cost:
+        line += (f"; cost per request (copy + projection) mean {cost['mean']:.3f} ms, p50 {cost['p50']:.3f}, "
+                 f"p99 {cost['p99']:.3f}, max {cost['max']:.3f} over the last {cost['n']}")
+    return line
+
+
+def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: Path, fmt: str,
+               model: dict | None = None) -> Path:
     """The replayed calls that succeeded as a trace dataset (data.import_traces reads it back).
 
     native keeps the segment ids and the token counts actually sent (the server's real output
-    lengths included); chat keeps only message texts, which import_traces re-counts."""
+    lengths included); chat keeps only message texts, which import_traces re-counts. Each call
+    keeps the hidden state the plugin sent back; `model` ({"path", "hidden_size"}, the plugin's
+    report) goes to the import, which checks every vector's size and records both in meta.json."""
     from data.cli import compose_config
     from data.formats import chat_records, native_records, write_jsonl_atomic
     from data.import_traces import import_traces
@@ -504,11 +535,19 @@ def save_trace(replay: ClosedLoopReplay, calls: dict, segment_table: dict, out: 
             prompt_ids=[s for s, _ in r.segments], prompt_segment_tokens=[n for _, n in r.segments],
             output_tokens=len(r.output_ids) or r.completion_tokens, output_id=call.output_id,
             output_text=r.output_text, tool_time=call.tool_time * replay.tool_time_scale,
-            start_time=r.start_s, end_time=r.end_s, end_of_workflow=call.last))
+            start_time=r.start_s, end_time=r.end_s, hidden=r.hidden, end_of_workflow=call.last))
     source = out / f"calls.{fmt}.jsonl"
     write_jsonl_atomic(source, (native_records if fmt == "native" else chat_records)(rows, segments))
+    hidden = []
+    if rows and not any(row["hidden"] for row in rows):
+        print("note: the server sent no hidden states; the trace has none (serve with launch --hidden-state "
+              "and a plugin policy to collect them)", file=sys.stderr)
+    elif model:
+        hidden = [f"hidden_model={json.dumps(str(model.get('path') or ''))}"]
+        if model.get("hidden_size"):
+            hidden.append(f"hidden_size={int(model['hidden_size'])}")
     import_traces(compose_config("import_traces", [f"format={fmt}", f"src={source}", f"out={out / 'dataset'}",
-                                                   "overwrite=true"]))
+                                                   "overwrite=true", *hidden]))
     return out / "dataset"
 
 
@@ -630,7 +669,8 @@ def run(args: argparse.Namespace) -> int:
     replay = ClosedLoopReplay(args.url, workflows, args.concurrency, SegmentTokens(*args.token_range),
                               metadata=metadata, stream=not args.no_stream,
                               tool_time_scale=args.tool_time_scale, request_timeout_s=args.request_timeout,
-                              progress=not args.no_progress, end_signal=args.end_signal, **cluster)
+                              progress=not args.no_progress, end_signal=args.end_signal,
+                              return_hidden=bool(args.save_trace), **cluster)
     asyncio.run(replay.run())
     # behind a router (which has no /server_info), the first replica speaks for the servers
     info = asyncio.run(server_info(workers[0] if workers else args.url))
@@ -645,18 +685,21 @@ def run(args: argparse.Namespace) -> int:
     row = summarize(replay, labels, extra)
     from data.formats import write_jsonl_atomic
 
-    write_jsonl_atomic(out / "calls.jsonl", ({k: v for k, v in asdict(r).items() if k != "output_ids"}
+    write_jsonl_atomic(out / "calls.jsonl", ({k: v for k, v in asdict(r).items() if k not in ("output_ids", "hidden")}
                                              for r in replay.results))
     path = write_summary(out, row, {k: v for k, v in vars(args).items()}, args.append)
     if row["prompt_tokens"]:
         print(format_table([row]))
+    if (line := hidden_report(info)) is not None:
+        print(line)
     print(f"summary: {path}")
     if row["failed_calls"]:
         errors = {r.error for r in replay.results if not r.ok}
         print(f"{row['failed_calls']} of {row['calls']} calls failed: {sorted(errors)[:3]}", file=sys.stderr)
     if args.save_trace:
         calls = {(c.workflow_id, c.step): c for wf in workflows for c in wf}
-        saved = save_trace(replay, calls, ds.segment_table(), Path(args.save_trace), args.save_format)
+        saved = save_trace(replay, calls, ds.segment_table(), Path(args.save_trace), args.save_format,
+                           plugin_state(info).get("model"))
         print(f"trace dataset: {saved}")
     return 1 if row["failed_calls"] == row["calls"] else 0
 

@@ -13,7 +13,8 @@ import shlex
 
 SCRIPTS = ("train.py", "evaluate.py")
 MODULES = ("data.generate", "data.import_traces", "models.intentkv.train",
-           "serving_integration.experiments.bench", "serving_integration.experiments.calibrate",
+           "serving_integration.experiments.bench", "serving_integration.experiments.bench_collect",
+           "serving_integration.experiments.calibrate",
            "serving_integration.experiments.validate_sim", "serving_integration.experiments.report",
            "benchmarks.simulator_speed", "benchmarks.predictor_latency", "benchmarks.predictor_table")
 # override keys that make Hydra call or load something named by the text

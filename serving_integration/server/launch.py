@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--policy-config", default="{}",
                    help="more plugin options as JSON, e.g. '{\"predictor_timeout_s\": 0.1}' (docs/serving.md)")
     p.add_argument("--stats-path", help="file the plugin writes its counters to (JSON, every 10 s)")
+    p.add_argument("--hidden-state", action="store_true",
+                   help="capture each tagged request's hidden state at its last prefill token (the plugin's "
+                        "hidden_state; adds SGLang's --enable-return-hidden-states --return-hidden-states-mode last)")
+    p.add_argument("--hidden-layer", type=int,
+                   help="with --hidden-state: the output of this decoder layer instead of the final one "
+                        "(the plugin's hidden_layer; adds SGLang's aux hidden-state capture flags)")
     p.add_argument("--hicache-ratio", type=float, default=SimConfig.hicache_ratio, help="host KV pool = ratio x GPU pool")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -104,10 +110,25 @@ def policy_config(args: argparse.Namespace) -> dict:
                       ("stats_path", args.stats_path)):
         if path is not None:
             config[key] = str(Path(path).resolve())
-    for key, value in (("prefetch", args.prefetch), ("gamma", args.gamma)):
+    for key, value in (("prefetch", args.prefetch), ("gamma", args.gamma), ("hidden_layer", args.hidden_layer),
+                       ("hidden_state", args.hidden_state or None)):
         if value is not None:
             config[key] = value
     return config
+
+
+def hidden_state_flags(config: dict) -> list[str]:
+    """SGLang's flags for the plugin's hidden-state capture: the server's capture mode "last" (the
+    forward keeps one row per request, what its LM head reads; CUDA graphs are captured in that
+    mode), and for a layer other than the final one SGLang's aux capture (EAGLE3 convention,
+    speculative decoding stays off)."""
+    if not config.get("hidden_state"):
+        return []
+    flags = ["--enable-return-hidden-states", "--return-hidden-states-mode", "last"]
+    if config.get("hidden_layer") is not None:
+        flags += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                  "--return-aux-hidden-state-layer-ids", str(config["hidden_layer"])]
+    return flags
 
 
 def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -118,7 +139,8 @@ def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
            "--hicache-write-policy", "write_through", "--enable-metrics", "--enable-cache-report",
            "--radix-eviction-policy", args.policy]
     if args.policy in PLUGIN_POLICIES:
-        cmd += ["--radix-eviction-policy-config", json.dumps(policy_config(args), sort_keys=True)]
+        config = policy_config(args)
+        cmd += ["--radix-eviction-policy-config", json.dumps(config, sort_keys=True), *hidden_state_flags(config)]
     if args.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.cpu:
@@ -142,7 +164,7 @@ def server_env(args: argparse.Namespace, base: dict | None = None) -> dict:
 def preflight(args: argparse.Namespace) -> list[str]:
     """Problems that would otherwise surface only inside the server's scheduler process."""
     if args.policy not in PLUGIN_POLICIES:
-        return []
+        return ["--hidden-state needs a plugin policy (pbkv, pbkv_lae, kvflow)"] if args.hidden_state else []
     problems = []
     names = {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)}
     if names.get("pbkv") != "serving_integration.server.plugin:register":
@@ -157,16 +179,39 @@ def preflight(args: argparse.Namespace) -> list[str]:
         try:
             from models import read_checkpoint
 
-            read_checkpoint(args.checkpoint)
+            text = (read_checkpoint(args.checkpoint)["init"].get("text") or {})
+            if text.get("source") == "hidden" and not policy_config(args).get("hidden_state"):
+                problems.append(f"--checkpoint {args.checkpoint} reads the serving model's hidden state: "
+                                "pass --hidden-state")
         except Exception as e:  # noqa: BLE001  (report any unreadable checkpoint the same way)
             problems.append(f"--checkpoint: {e}")
     if args.policy == "kvflow" and not (args.step_graph_traces and Path(args.step_graph_traces).is_dir()):
         problems.append("--policy kvflow needs --step-graph-traces DIR (a trace dataset)")
     try:
-        policy_config(args)
+        problems += hidden_layer_problems(policy_config(args), args)
     except ValueError as e:
         problems.append(str(e))
     return problems
+
+
+def hidden_layer_problems(config: dict, args: argparse.Namespace) -> list[str]:
+    """SGLang's aux capture (EAGLE3 convention) takes layer L's output as the input of layer L + 1:
+    the last layer has none, and a layer past the model fails inside the scheduler. Checked here
+    when the model's config.json is at hand (a local model directory, or the tiny CPU model)."""
+    layer = config.get("hidden_layer")
+    if layer is None:
+        return []
+    if args.model_path:
+        config_file = Path(args.model_path) / "config.json"
+        layers = json.loads(config_file.read_text()).get("num_hidden_layers") if config_file.is_file() else None
+    else:
+        from serving_integration.server.tiny_model import SPEC
+
+        layers = SPEC["num_hidden_layers"]
+    if layers is not None and not 0 <= layer < layers - 1:
+        return [f"--hidden-layer {layer}: the model has {layers} layers; SGLang's capture takes the output of "
+                f"layers 0..{layers - 2} (the last one's is the final hidden state: leave --hidden-layer out)"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

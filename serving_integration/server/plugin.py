@@ -16,6 +16,12 @@ What it registers:
       Scheduler.get_next_batch_to_run          once per scheduler step: the batched predictor
                                                round, retirement of silent workflows, prefetch
       Scheduler.get_internal_state             the plugin's counters under "pbkv" in /server_info
+      Scheduler._add_request_to_queue          with `hidden_state`: a tagged request asks SGLang's
+                                               forward for its last prefill token's hidden state
+                                               (Req.return_hidden_states = "last", as a client could)
+  * AROUND SchedulerBatchResultProcessor._append_prefill_hidden_states: SGLang has copied that
+    hidden state to the host; the runtime takes it (timed), the request's flag is cleared again (no
+    capture during its decode, nothing in its response unless its tag asks: meta_info.pbkv_hidden)
 
 Every hook is a no-op for caches using other policies, and none can raise into SGLang: an
 exception inside a hook is logged and counted (`hook_errors`), and the original call's result
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import Counter
 
 from serving_integration.cache.policies import PLUGIN_POLICIES
+from serving_integration.cache.workflow_tags import HIDDEN_RESPONSE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,7 @@ HOOK_ERRORS: Counter = Counter()  # failures per hook in this process (also coun
 _CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _TREE_CORE_SELECTION = "sglang.srt.mem_cache.unified_cache.tree_core_registry.select_tree_core_backend"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 
 _registered = False
 
@@ -69,6 +78,8 @@ def register() -> None:
     HookRegistry.register(f"{_CACHE}.on_release", after_release, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.get_next_batch_to_run", after_next_batch, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", after_internal_state, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", after_request_queued, HookType.AFTER)
+    HookRegistry.register(f"{_RESULTS}._append_prefill_hidden_states", around_prefill_hidden, HookType.AROUND)
 
 
 # -------------------------------------------------------------------- hooks
@@ -145,6 +156,68 @@ def after_internal_state(output, scheduler, *args, **kwargs):
     state = getattr(output, "internal_state", None)
     if runtime is not None and isinstance(state, dict):
         state["pbkv"] = runtime.snapshot()
+        config = getattr(scheduler, "model_config", None)  # what collected traces record of the model
+        state["pbkv"]["model"] = {"path": getattr(getattr(scheduler, "server_args", None), "model_path", None),
+                                  "hidden_size": getattr(config, "hidden_size", None)}
+
+
+# -------------------------------------------------------------------- hidden states
+
+_ASKED = "_pbkv_asked_hidden"  # set on a Req whose hidden-state flag the plugin turned on
+
+
+@_never_raises
+def after_request_queued(result, scheduler, req, *args, **kwargs):
+    """A request entered the waiting queue (also again after a retraction): a tagged agent call asks
+    for its last prefill token's hidden state, through the flag a client's `return_hidden_states:
+    "last"` sets. A request whose client asked itself keeps its own flag (and its response)."""
+    runtime = _runtime(scheduler)
+    if runtime is None or req.return_hidden_states or not runtime.wants_hidden(req):
+        return
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    req.return_hidden_states, req.return_hidden_states_mode = "last", CaptureHiddenMode.LAST
+    setattr(req, _ASKED, True)
+
+
+def around_prefill_hidden(original, processor, *args, **kwargs):
+    """SGLang stores one request's prefill hidden state (`req.hidden_states`, copied to the host with
+    .cpu().tolist()); on the final chunk (`store`) the runtime takes it. The copy is timed here."""
+    began = time.perf_counter()
+    result = original(processor, *args, **kwargs)
+    copy_s = time.perf_counter() - began
+    try:
+        req = kwargs.get("req")
+        if req is not None and kwargs.get("store", True) and req.return_hidden_states:
+            _take_hidden(_runtime(processor), req, copy_s)
+    except Exception:  # noqa: BLE001  (SGLang's own result stands)
+        HOOK_ERRORS["around_prefill_hidden"] += 1
+        runtime = _runtime(processor)
+        if runtime is not None:
+            runtime.stats.count("hook_errors")
+        if HOOK_ERRORS["around_prefill_hidden"] in (1, 10, 100):
+            log.exception("PBKV: taking a hidden state failed; the server continues")
+    return result
+
+
+def _take_hidden(runtime, req, copy_s: float) -> None:
+    asked = getattr(req, _ASKED, False)
+    if runtime is None or not (asked or runtime.wants_hidden(req)):
+        return
+    stored = req.hidden_states[-1] if req.hidden_states else None
+    if stored and isinstance(stored[0], list):  # a client's return_hidden_states=True: every prompt token
+        stored = stored[-1]
+    if asked:  # the flag was ours: no capture in decode, nothing in the response
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        req.return_hidden_states, req.return_hidden_states_mode = False, CaptureHiddenMode.NULL
+        req.hidden_states = []
+        setattr(req, _ASKED, False)
+    returned = runtime.on_hidden(req, stored, copy_s)
+    if returned is not None:  # the tag asked for it: one entry, aligned with the first output token
+        if req.customized_info is None:
+            req.customized_info = {}
+        req.customized_info[HIDDEN_RESPONSE_KEY] = [returned]
 
 
 def _prefetcher(runtime, cache):

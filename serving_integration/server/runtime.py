@@ -15,6 +15,14 @@ metadata is counted and the request is served as an anonymous one (its cache is 
 evicted like retired cache). A workflow that never sends its end signal is retired after
 `workflow_ttl_s` without calls, and at most `max_live_workflows` are followed at once (the
 longest-silent one is retired first), so clients cannot grow the ledger without bound.
+
+Hidden states (`hidden_state`): the plugin (plugin.py) asks SGLang's own forward pass for each
+tagged request's hidden state at its last prefill token (the per-request `return_hidden_states`
+path), and hands it here: `on_hidden` projects it to the predictor's input size when the
+checkpoint carries a projection and keeps it for the request's workflow, whose next prediction
+uses it as `WorkflowPrefix.hidden`. A request whose capture failed is counted
+(`hidden_capture_failed`, `hidden_missing`) and predicted without it, as training calls without a
+hidden vector are (zeros); the server is never stopped by it.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
+HIDDEN_COSTS = 4096  # per-request hidden-state costs kept for snapshot()'s summary
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,13 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
                                  at_least(0))
     max_live_workflows: int = knob(10000, "ledger bound: past it the longest-silent workflow with no request in "
                                    "flight is retired (counted, logged)", at_least(1))
+    hidden_state: bool = knob(False, "capture each tagged request's hidden state at its last prefill token from "
+                                     "SGLang's forward pass (the launcher adds --enable-return-hidden-states "
+                                     "--return-hidden-states-mode last) for the predictor and for clients whose "
+                                     "tag asks for it (return_hidden)")
+    hidden_layer: Optional[int] = knob(None, "null: the final layer (after the last norm: what the LM head reads); "
+                                             "L: the output of decoder layer L, 0 <= L < layers - 1 (SGLang's aux "
+                                             "hidden-state capture, whose flags the launcher adds)", at_least(0))
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
 
@@ -80,6 +96,8 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
         super().__post_init__()
         if not isinstance(self.trust, str):
             raise ConfigError(f"trust={shown(self.trust)}: the plugin runs one mode ({', '.join(TRUST_MODES)})")
+        if self.hidden_layer is not None and not self.hidden_state:
+            raise ConfigError(f"hidden_layer={self.hidden_layer}: needs hidden_state=true")
 
 
 class PluginStats:
@@ -105,7 +123,7 @@ class LiveWorkflow:
     id: str
     task: str = ""
     agents: list[str] = field(default_factory=list)  # agents of its finished calls, in order
-    hidden: list[float] | None = None
+    hidden: Any = None  # its latest call's hidden state (float32 array of the predictor's input size), if read
     running: set = field(default_factory=set)  # rids of its requests in flight
     last_seen: float = 0.0
 
@@ -283,6 +301,22 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
     return None
 
 
+def model_of(source):
+    """The models.Predictor behind a prediction source (through OnlineBackoff's `inner`), or None."""
+    while source is not None and not hasattr(source, "predictor"):
+        source = getattr(source, "inner", None)
+    return getattr(source, "predictor", None)
+
+
+def cost_summary(costs_ms) -> dict | None:
+    """n, mean, p50, p99 and max of per-request costs in milliseconds; None without any."""
+    if not costs_ms:
+        return None
+    values = sorted(costs_ms)
+    at = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "mean": sum(values) / len(values), "p50": at(0.5), "p99": at(0.99), "max": values[-1]}
+
+
 class WorkflowRuntime:
     """Ledger, policy, predictor and workflow lifecycle of one radix cache."""
 
@@ -311,6 +345,14 @@ class WorkflowRuntime:
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
         self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
+        # hidden states: the predictor that reads them (None: it does not), the vectors of requests
+        # whose prefill finished (rid -> vector of the predictor's input size; None: captured, but no
+        # predictor reads it), per-request costs
+        model = model_of(source)
+        self.hidden_reader = model if model is not None and getattr(model, "uses_hidden", False) else None
+        self.hidden_of: OrderedDict[Any, Any] = OrderedDict()
+        self.hidden_costs_ms: deque = deque(maxlen=HIDDEN_COSTS)
+        self.hidden_size: int | None = None  # of the vectors SGLang returned
         self._stats_written = -math.inf
         self._ttl_checked = -math.inf
 
@@ -381,6 +423,10 @@ class WorkflowRuntime:
         wf = self._live(tag)
         wf.running.discard(req.rid)
         wf.agents.append(tag.agent)
+        if self.config.hidden_state:
+            if req.rid not in self.hidden_of:
+                self.stats.count("hidden_missing")  # predicted without it (zeros, as in training)
+            wf.hidden = self.hidden_of.pop(req.rid, None)
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
@@ -388,6 +434,40 @@ class WorkflowRuntime:
             self.end_workflow(wf.id)
         else:
             self.to_predict[wf.id] = None
+
+    def wants_hidden(self, req) -> bool:
+        """Whether the request's hidden state is to be captured: a tagged agent call (no end signal)."""
+        if not self.config.hidden_state:
+            return False
+        tag = self.tag_of(req)
+        return tag is not None and not tag.end_signal
+
+    def on_hidden(self, req, hidden, copy_s: float = 0.0) -> list[float] | None:
+        """SGLang's hidden state of the request's last prefill token (a list of floats; None: the
+        capture failed), and the seconds SGLang spent copying it to the host. Kept for the request's
+        workflow, projected to the predictor's input size if the checkpoint has a projection; returns
+        the vector as captured when the request's tag asks for it back (return_hidden), else None."""
+        began = time.perf_counter()
+        try:
+            raw = torch.as_tensor(hidden, dtype=torch.float32).view(1, -1)
+            if raw.shape[1] == 0 or not torch.isfinite(raw).all():
+                raise ValueError(f"{raw.shape[1]} values, finite: {bool(torch.isfinite(raw).all())}")
+            kept = self.hidden_reader.project_hidden(raw) if self.hidden_reader is not None else raw
+        except (TypeError, ValueError, RuntimeError) as e:
+            self.stats.count("hidden_capture_failed")
+            if self.stats["hidden_capture_failed"] in (1, 10, 100) or self.stats["hidden_capture_failed"] % 1000 == 0:
+                log.warning("PBKV: no hidden state for request %s (%s); its workflow is predicted without it",
+                            getattr(req, "rid", None), e)
+            return None
+        # kept only for a predictor that reads it, as float32 (4 bytes a value, not a list's 32)
+        self.hidden_of[req.rid] = kept[0].numpy().copy() if self.hidden_reader is not None else None
+        while len(self.hidden_of) > MAX_REMEMBERED_REQUESTS:
+            self.hidden_of.popitem(last=False)
+        self.hidden_size = raw.shape[1]
+        self.stats.count("hidden_captured")
+        self.hidden_costs_ms.append(1000.0 * (copy_s + time.perf_counter() - began))
+        tag = self.tag_of(req)
+        return raw[0].tolist() if tag is not None and tag.return_hidden else None
 
     def end_workflow(self, workflow_id: str) -> None:
         self.ledger.end(workflow_id)
@@ -451,6 +531,8 @@ class WorkflowRuntime:
         self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
                                     graph_steps(batch) if graph_steps else None)
         self.degraded = False
+        if self.hidden_reader is not None:
+            self.stats.count("predicted_with_hidden", sum(w.hidden is not None for w in batch))
 
     def retire_silent_workflows(self) -> None:
         now = self.clock()
@@ -508,7 +590,10 @@ class WorkflowRuntime:
                 "trusted": meter.trusted if meter else None, "prediction_quality": meter.quality if meter else None,
                 "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
                 "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
-                "config": asdict(self.config), "counters": counts, "recent_tags": list(self.recent_tags)}
+                "config": asdict(self.config), "counters": counts, "recent_tags": list(self.recent_tags),
+                "hidden": {"size": self.hidden_size, "predictor_reads": self.hidden_reader is not None,
+                           "input_size": self.hidden_reader.text_spec.dim if self.hidden_reader is not None else None,
+                           "cost_ms": cost_summary(self.hidden_costs_ms)}}
 
     def maybe_write_stats(self, force: bool = False) -> None:
         path = self.config.stats_path

@@ -21,7 +21,7 @@ CONF = REPO / "conf"
 # the groups each root selects in its defaults list (experiments and debug configs belong to one root)
 ROOT_GROUPS = {
     "train": ["data", "model", "model/text_encoder", "trainer", "callbacks", "logger", "train_experiment",
-              "hparams_search", "debug"],
+              "hparams_search", "debug", "signal"],
     "evaluate": ["data", "cost_model", "sim", "predictor", "pbkv", "tlru", "kvflow", "kv", "wandb", "experiment",
                  "debug"],
 }
@@ -168,7 +168,7 @@ def test_data_and_model_configs_are_typed_by_their_knobs(root, overrides, key, s
 
 def yaml_files():
     groups = ["data", "workload", "model", "model/text_encoder", "trainer", "callbacks", "logger", "debug",
-              "train_experiment", "hparams_search"]
+              "train_experiment", "hparams_search", "signal"]
     roots = ["train.yaml", "generate.yaml", "import_traces.yaml", "intentkv_train.yaml"]
     return [CONF / r for r in roots] + [p for g in groups for p in sorted((CONF / g).glob("*.yaml"))]
 

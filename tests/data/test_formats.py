@@ -5,6 +5,7 @@ import json
 import pytest
 
 from data.errors import TraceValidationError
+from data.tokenizer import TokenCounter
 from data.formats import (MESSAGE_TEMPLATE_TOKENS, chat_records, message_segment_id, native_records,
                           read_chat, read_native, write_jsonl_atomic)
 
@@ -118,6 +119,28 @@ def test_native_cross_line_errors(tmp_path):
     issues = error_of(read_native, src).issues
     assert [(i.line, i.field) for i in issues] == [(2, "step"), (3, "prompt[0].tokens"), (5, "workflow_id")]
     assert "does not increase" in issues[0].reason and "800" in issues[1].reason
+
+
+@pytest.mark.parametrize("declared", [None, 3])
+def test_hidden_vectors_have_one_size_and_go_to_the_meta(tmp_path, declared):
+    """Every call's hidden vector has the trace's size (declared, else the first one's); a wrong size
+    or type is FILE:LINE: field 'hidden'; model and size are what the dataset's meta records."""
+    good = [native_line(step=0, output_id="o0", hidden=[0.5, -1.0, 2.0]),
+            native_line(step=1, output_id="o1", hidden=[0.0, 0.0, 1.0]),
+            native_line(step=2, output_id="o2")]  # a call without one is allowed
+    traces = read_native(write_lines(tmp_path / "good.jsonl", good), model="org/m", size=declared)
+    assert traces.meta["hidden"] == {"model": "org/m", "size": 3}
+    assert [c["hidden"] for c in traces.calls] == [[0.5, -1.0, 2.0], [0.0, 0.0, 1.0], []]
+    assert "hidden" not in read_native(write_lines(tmp_path / "none.jsonl", good[2:])).meta
+    src = write_lines(tmp_path / "bad.jsonl", [*good, native_line(step=3, output_id="o3", hidden=[1.0, 2.0]),
+                                               native_line(step=4, output_id="o4", hidden=[1.0, "x", 2.0])])
+    issues = error_of(lambda p: read_native(p, size=declared), src).issues
+    assert [(i.file, i.line, i.field) for i in issues] == [(str(src), 4, "hidden"), (str(src), 5, "hidden[1]")]
+    assert "has 2 values; the trace's hidden size is 3" in issues[0].reason
+    assert ("hidden_size" if declared else "the first vector, line 1") in issues[0].reason
+    wrong = error_of(lambda p: read_chat(p, TokenCounter.wordpiece(), size=4),
+                     write_lines(tmp_path / "c.jsonl", [chat_line(hidden=[1.0, 2.0, 3.0])])).issues[0]
+    assert (wrong.line, wrong.field) == (1, "hidden") and "hidden size is 4 (hidden_size)" in wrong.reason
 
 
 @pytest.mark.parametrize("bad_line, field, reason", [

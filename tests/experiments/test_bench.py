@@ -27,13 +27,14 @@ EVALUATE_ROW_KEYS = {"workload", "policy", "prefetch", "gpu_tokens", "concurrenc
 class SGLangDouble:
     """/generate and /server_info in SGLang 0.5.23's response schema, on 127.0.0.1 (a thread)."""
 
-    def __init__(self, fail_every: int = 0):
+    def __init__(self, fail_every: int = 0, hidden: bool = True):
         self.bodies: list[dict] = []
         self.ends: list[dict] = []  # end-of-workflow signals (kept apart from the calls)
         self.replies: list[dict] = []  # per request: output ids and cached tokens reported
         self.sequences: list[np.ndarray] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_every = fail_every
+        self.hidden = hidden  # a plugin with hidden_state on: it sends each call's state back when asked
         self.port = None
 
     # ---------------------------------------------------------------- the protocol
@@ -72,6 +73,8 @@ class SGLangDouble:
                 meta = {"id": body["rid"], "prompt_tokens": len(ids), "completion_tokens": done,
                         "cached_tokens": cached, "cached_tokens_details": {"device": cached - host, "host": host},
                         "finish_reason": {"type": "length", "length": n_out} if done == n_out else None}
+                if tag.get("return_hidden") and self.hidden:  # the plugin's captured state, as its hook sends it
+                    meta["pbkv_hidden"] = [self.hidden_of(ids)]
                 if done == n_out:
                     meta["e2e_latency"] = 0.01
                 return {"text": None, "output_ids": output[:done], "meta_info": meta}  # cumulative snapshot
@@ -89,11 +92,23 @@ class SGLangDouble:
         finally:
             self.in_flight -= 1
 
+    HIDDEN_SIZE = 8
+
+    def hidden_of(self, ids) -> list[float]:
+        """A stand-in for the model's hidden state of the last prompt token (deterministic)."""
+        return [float(np.sin(int(ids[-1]) + i)) for i in range(self.HIDDEN_SIZE)]
+
     async def server_info(self, request):
+        cost = {"n": len(self.bodies), "mean": 0.05, "p50": 0.04, "p99": 0.2, "max": 0.3}
         return web.json_response({"radix_eviction_policy": "pbkv", "max_total_num_tokens": 12345,
                                   "internal_states": [{"pbkv": {"prefetch": "conservative",
                                                                 "prefetch_precision": 0.5,
-                                                                "counters": {"fallback_rounds": 0}}}]})
+                                                                "counters": {"fallback_rounds": 0,
+                                                                             "hidden_captured": len(self.bodies)},
+                                                                "config": {"hidden_state": True},
+                                                                "hidden": {"size": self.HIDDEN_SIZE, "cost_ms": cost},
+                                                                "model": {"path": "org/double",
+                                                                          "hidden_size": self.HIDDEN_SIZE}}}]})
 
     # ---------------------------------------------------------------- a server in a thread
 
@@ -151,6 +166,7 @@ def test_replay_streams_measures_and_saves_a_trace(dataset, tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"{n_calls}/{n_calls}" in captured.err  # the progress bar ran to the end
     assert "summary:" in captured.out
+    assert f"hidden state: {n_calls} captured (size 8)" in captured.out and "mean 0.050 ms" in captured.out
 
     (row,) = json.loads((out / "summary.json").read_text())["rows"]
     assert EVALUATE_ROW_KEYS <= set(row)
@@ -182,6 +198,7 @@ def test_replay_streams_measures_and_saves_a_trace(dataset, tmp_path, capsys):
                         if (t["workflow_id"], t["step"]) == (wf[-1].workflow_id, wf[-1].step))
         assert last_rid in {r["rid"] for r in server.replies[:end["after_calls"]]}  # sent after the last call
         assert sent[0]["task"] == wf[0].task and all("task" not in t for t in sent[1:])
+        assert all(t["return_hidden"] for t in sent)  # --save-trace asks for each call's hidden state
 
     # a call's real output replaces its segment in later prompts, so outputs are shared prefixes too
     records = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
@@ -209,6 +226,20 @@ def test_replay_streams_measures_and_saves_a_trace(dataset, tmp_path, capsys):
         assert saved["prompt_segment_tokens"] == [n for _, n in r["segments"]]
         assert saved["output_tokens"] == calls[(r["workflow_id"], r["step"])].output_tokens
         assert saved["agent"] == r["agent"] and saved["end_time"] >= saved["start_time"]
+        ids = body_of[(r["workflow_id"], r["step"])]["input_ids"]
+        assert saved["hidden"] == pytest.approx(server.hidden_of(ids))  # float32 in the stored column
+    assert collected.meta["hidden"] == {"model": "org/double", "size": 8}
+    assert row["hidden_cost_ms"]["mean"] == 0.05
+
+
+def test_a_trace_saved_from_a_server_without_hidden_states_says_so(dataset, tmp_path, capsys):
+    with SGLangDouble(hidden=False) as server:
+        assert bench.main(["--url", server.url, "--data", str(dataset), "--split", "all", "--n-workflows", "1",
+                           "--concurrency", "1", "--tool-time-scale", "0", "--out", str(tmp_path / "run"),
+                           "--no-progress", "--save-trace", str(tmp_path / "collected")]) == 0
+    assert "the server sent no hidden states" in capsys.readouterr().err
+    collected = store.load(tmp_path / "collected" / "dataset")
+    assert "hidden" not in collected.meta and all(r["hidden"] == [] for r in collected.rows())
 
 
 def test_plain_responses_kv_hints_failures_and_append(dataset, tmp_path):

@@ -20,7 +20,7 @@ from models.intent import IntentResidualPredictor
 from models.markov import BOS, MarkovPredictor
 from models.metrics import horizon_metrics
 from models.module import PredictorModule
-from models.text import HashingTextEncoder, TextFeatures, TextSpec
+from models.text import HashingTextEncoder, TextFeatures, TextSpec, projection_matrix
 
 K = 3
 
@@ -326,6 +326,36 @@ def test_hidden_vectors_in_the_trace_become_the_text_signal():
     probs = predictor.predict([WorkflowPrefix(["retriever"], "any", [1.0, 2.0, 3.0, 4.0]),
                                WorkflowPrefix(["retriever"])])  # no hidden: zeros
     assert probs.shape == (2, K, len(predictor.agent_names) + 1)
+
+
+def test_a_fixed_random_projection_brings_hidden_states_to_the_input_size(tmp_path):
+    """hidden_dim: training examples and serving prefixes go through the same seeded projection,
+    which the checkpoint stores; raw and already-projected vectors give the same prediction."""
+    traces = Hover().generate(20, seed=3)
+    for i, call in enumerate(traces.calls):
+        call["hidden"] = [float((i * j) % 7) - 3.0 for j in range(12)]
+    dataset = store.build(traces, val=0.2, test=0.2)
+    dm = TraceDataModule(dataset=dataset, horizon=K, seed=4, max_path=8, hidden_dim=5)
+    dm.setup()
+    spec = dm.corpus.text
+    assert (spec.source, spec.dim, spec.hidden_size, spec.projection_seed) == ("hidden", 5, 12, 4)
+    raw = torch.tensor([c["hidden"] for c in dataset.rows("train")])
+    torch.testing.assert_close(dm.splits["train"][:][2], raw @ projection_matrix(12, 5, 4))
+    again = TraceDataModule(dataset=dataset, horizon=K, seed=4, max_path=8, hidden_dim=5)
+    again.setup()
+    assert torch.equal(again.splits["test"][:][2], dm.splits["test"][:][2])  # seeded: the same matrix
+    predictor = GraphSAGEPredictor.from_corpus(dm.corpus, dim=16, hidden=32, identity=False).eval()
+    loaded = load_predictor(save_predictor(predictor, tmp_path / "p.pt"))
+    assert torch.equal(loaded.hidden_projection, projection_matrix(12, 5, 4))  # in the checkpoint
+    vector = raw[0].tolist()
+    projected = loaded.project_hidden(raw[:1])[0].tolist()
+    torch.testing.assert_close(loaded.predict([WorkflowPrefix(["retriever"], "", vector)]),
+                               loaded.predict([WorkflowPrefix(["retriever"], "", projected)]))
+    with pytest.raises(ValueError, match="takes 5 \\(or 12, projected\\)"):
+        loaded.predict([WorkflowPrefix(["retriever"], "", [1.0, 2.0])])
+    with pytest.raises(ValueError, match="calls without one"):
+        TraceDataModule(dataset=store.build(Hover().generate(20, seed=3)), horizon=K, seed=0,
+                        text_source="hidden").setup()
 
 
 # ------------------------------------------------------------------ agent identity (name + system prompt)

@@ -86,12 +86,15 @@ class Serving:
         self.paths: dict[str, set] = {}
         self._rid = 0
 
-    def serve(self, prompt, output, tag=None, kv_hints=None, label=None):
-        """Admit (match, lock, allocate), run, finish and release one request; returns its matched length."""
+    def serve(self, prompt, output, tag=None, kv_hints=None, label=None, prefill=None):
+        """Admit (match, lock, allocate), run, finish and release one request; returns its matched length.
+        `prefill(req)`: what happens between the request's arrival and its release (hidden states)."""
         self._rid += 1
         params = SamplingParams(max_new_tokens=len(output), custom_params={"pbkv": tag} if tag is not None else None)
         req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", prompt),
                   sampling_params=params, kv_hints=kv_hints)
+        if prefill is not None:
+            prefill(req)
         self.req_pool.alloc([req])
         match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
         prefix, total = match.device_prefix_len, len(prompt) + len(output)
@@ -395,6 +398,123 @@ def test_workflows_without_an_end_signal_retire_after_their_ttl(checkpoint):
     serving.step()
     assert serving.runtime.stats["workflows_expired"] == 1
     assert all(serving.runtime.ledger.is_retired(n) for n in serving.paths["A"])
+
+
+# -------------------------------------------------------------------- hidden states
+
+
+@pytest.fixture(scope="module")
+def hidden_checkpoint(tmp_path_factory):
+    """A graphsage predictor that reads 16-dim hidden states through a fixed projection to 8."""
+    from models.graph import CallGraph
+    from models.graphsage import GraphSAGEPredictor
+    from models.text import TextSpec
+
+    spec = TextSpec("hidden", 8, hidden_size=16, projection_seed=5)
+    predictor = GraphSAGEPredictor(AGENTS, 2, graph=CallGraph.from_sequences([[1, 1, 2]], 3).to_dict(),
+                                   text=spec.to_dict(), identity=False, dim=8, hidden=16)
+    return str(save_predictor(predictor, tmp_path_factory.mktemp("hidden") / "predictor.pt"))
+
+
+def prefill_with_hidden(serving, vector, store=True):
+    """What the scheduler does for a request with the plugin's hidden_state on: queue it (the plugin's
+    hook asks for its hidden state), then SGLang's own _append_prefill_hidden_states (hooked by the
+    plugin) on a forward output holding `vector` as the request's last prefill row."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    owner = types.SimpleNamespace(tree_cache=serving.cache)
+    seen = {}
+
+    def prefill(req):
+        plugin.after_request_queued(None, owner, req)
+        seen["asked"] = (req.return_hidden_states, req.return_hidden_states_mode)
+        if req.return_hidden_states:
+            output = types.SimpleNamespace(hidden_states=torch.tensor([vector], dtype=torch.float32))
+            SchedulerBatchResultProcessor._append_prefill_hidden_states(
+                owner, req=req, logits_output=output, hidden_state_offset=0,
+                capture_hidden_mode=CaptureHiddenMode.LAST, extend_input_len=len(req.origin_input_ids), store=store)
+        seen["after"] = (req.return_hidden_states, list(req.hidden_states), req.customized_info)
+    return prefill, seen
+
+
+def test_hidden_states_are_captured_projected_and_predicted_with(hidden_checkpoint):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    from models import WorkflowPrefix, load_predictor
+
+    serving = Serving("pbkv", {"checkpoint": hidden_checkpoint, "hidden_state": True, "predictor_timeout_s": 0,
+                               "online_backoff": False})
+    runtime, vector = serving.runtime, [0.25 * i - 1.0 for i in range(16)]
+    prefill, seen = prefill_with_hidden(serving, vector)
+    serving.serve(prompt(100), [1, 2], {**tag("A", "a"), "return_hidden": True}, prefill=prefill)
+    assert seen["asked"] == ("last", CaptureHiddenMode.LAST)  # the flag a client's return_hidden_states sets
+    flag, stored, info = seen["after"]
+    assert flag is False and stored == []  # cleared again: no capture in decode, none in the response
+    assert info == {"pbkv_hidden": [pytest.approx(vector)]}  # sent back: the tag asked
+    predictor = load_predictor(hidden_checkpoint)
+    projected = predictor.project_hidden(torch.tensor([vector]))[0]
+    kept = runtime.workflows["A"].hidden  # 8 float32 values: the predictor's input, as the plugin keeps it
+    assert kept.dtype == "float32" and list(kept) == pytest.approx(projected.tolist())
+    serving.step()
+    assert runtime.stats["hidden_captured"] == 1 and runtime.stats["predicted_with_hidden"] == 1
+    expected = predictor.predict([WorkflowPrefix(["a"], "", vector)])  # the raw vector, projected inside
+    without = predictor.predict([WorkflowPrefix(["a"], "", None)])
+    assert not torch.allclose(expected, without)  # the hidden state changes the prediction
+    assert runtime.predictor.predict([runtime.workflows["A"]]) == pytest.approx(expected)
+    state = types.SimpleNamespace(internal_state={})
+    plugin.after_internal_state(state, types.SimpleNamespace(tree_cache=serving.cache,
+                                                             model_config=types.SimpleNamespace(hidden_size=16)))
+    hidden = state.internal_state["pbkv"]["hidden"]
+    assert (hidden["size"], hidden["input_size"], hidden["cost_ms"]["n"]) == (16, 8, 1)
+    assert hidden["cost_ms"]["max"] > 0 and state.internal_state["pbkv"]["model"]["hidden_size"] == 16
+
+    # a request without return_hidden gets nothing back; an end signal and untagged requests ask for nothing
+    prefill, seen = prefill_with_hidden(serving, vector)
+    serving.serve(prompt(200), [1], tag("B", "b"), prefill=prefill)
+    assert seen["after"][2] is None
+    for other in ({**tag("A", "a", end=True), "end_signal": True}, None):
+        prefill, seen = prefill_with_hidden(serving, vector)
+        serving.serve(prompt(300), [1], other, prefill=prefill)
+        assert seen["asked"] == (False, CaptureHiddenMode.NULL)
+    assert runtime.stats["hidden_captured"] == 2
+    serving.serve(prompt(400), [1], {**tag("C", "a"), "return_hidden": "yes"})  # not a boolean
+    assert runtime.stats["metadata_bad"] == 1
+    from serving_integration.cache.workflow_tags import WorkflowTag, tag_from_payload
+
+    asking = WorkflowTag("W", "a", 1, return_hidden=True)
+    assert tag_from_payload(asking.as_payload()) == asking and "return_hidden" not in WorkflowTag("W", "a").as_payload()
+
+
+@pytest.mark.parametrize("fault", ["nan", "wrong size", "not captured"])
+def test_a_failed_capture_is_counted_and_predicted_without(hidden_checkpoint, fault):
+    serving = Serving("pbkv", {"checkpoint": hidden_checkpoint, "hidden_state": True, "predictor_timeout_s": 0})
+    vector = {"nan": [math.nan] * 16, "wrong size": [1.0] * 5, "not captured": [1.0] * 16}[fault]
+    prefill, _ = prefill_with_hidden(serving, vector, store=fault != "not captured")
+    serving.serve(prompt(100), [1, 2], tag("A", "a"), prefill=prefill)
+    serving.step()
+    stats = serving.runtime.stats
+    assert stats["hidden_captured"] == 0 and stats["hidden_missing"] == 1
+    assert stats["hidden_capture_failed"] == (fault != "not captured")
+    assert stats["predictor_calls"] == 1 and stats["predicted_with_hidden"] == 0 and stats["hook_errors"] == 0
+    assert serving.runtime.workflows["A"].hidden is None
+
+
+def test_launch_adds_sglangs_hidden_state_flags(hidden_checkpoint, capsys):
+    assert launch.main(["--model-path", "m", "--policy", "pbkv", "--checkpoint", hidden_checkpoint]) == 2
+    assert "pass --hidden-state" in capsys.readouterr().err
+    assert launch.main(["--model-path", "m", "--policy", "pbkv", "--checkpoint", hidden_checkpoint,
+                        "--hidden-state", "--hidden-layer", "1", "--dry-run"]) == 0
+    cmd = capsys.readouterr().out
+    config = json.loads(cmd.split("--radix-eviction-policy-config ")[1].split("' ")[0].strip("'"))
+    assert config["hidden_state"] is True and config["hidden_layer"] == 1
+    assert "--enable-return-hidden-states --return-hidden-states-mode last" in cmd
+    assert "--return-aux-hidden-state-layer-ids 1" in cmd
+    assert launch.main(["--model-path", "m", "--policy", "lru", "--hidden-state", "--dry-run"]) == 2
+    capsys.readouterr()
+    assert launch.main(["--cpu", "--policy", "pbkv_lae", "--hidden-state", "--hidden-layer", "1", "--dry-run"]) == 2
+    assert "the model has 2 layers" in capsys.readouterr().err  # the tiny model: only layer 0 has an output to take
+    assert launch.main(["--cpu", "--policy", "pbkv_lae", "--hidden-state", "--hidden-layer", "0", "--dry-run"]) == 0
 
 
 def test_stats_file_and_kvflow_step_graph(tmp_path, hover_small):
