@@ -345,6 +345,8 @@ class Example:
     protected: Tensor         # bool [end]
     fixed: dict[str, Tensor]  # method -> scores [end], for FIXED_METHODS
     key_pieces: list[Tensor]  # float16 [L, H, n_i, D] slices, in order: the keys of [0, end)
+    system_end: int = 0       # the system prefix is [0, system_end)
+    output_tokens: int = 0    # tokens of the tool call's own message (the request's output)
 
     @property
     def rule(self) -> Tensor:
@@ -390,7 +392,9 @@ def build_examples(sessions: list[TokenizedSession], qk, lam: float = 0.5, snapk
             k = torch.cat([p[1] for p in parts], dim=2).float()
             h2o = torch.cat([p[2] for p in parts]).float()
             memory = update_memory(memory, encode_span(q[:, :, dp.span_start:]), lam)
+            m = ts.starts.index(dp.end)                        # the call's message
+            output_end = ts.starts[m + 1] if m + 1 < len(ts.starts) else ts.ids.numel()
             examples.append(Example(ts.session_id, dp.call, dp.span_start, memory, dp.labels, dp.protected,
                                     fixed_scores(q, k, h2o, dp.span_start, memory, snapkv_window, sink),
-                                    [p[1] for p in parts]))
+                                    [p[1] for p in parts], dp.system_end, output_end - dp.end))
     return examples

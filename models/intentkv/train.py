@@ -269,6 +269,12 @@ def split_examples(cfg: TrainConfig, groups: list[int], sessions: list[Tokenized
     return out
 
 
+def shared_system_prefix(sessions: list[TokenizedSession]) -> bool:
+    """Whether every session starts with the same system prompt tokens (tau-bench's policy text)."""
+    first = sessions[0].ids[: sessions[0].starts[1]]
+    return all(torch.equal(ts.ids[: ts.starts[1]], first) for ts in sessions)
+
+
 def run(cfg: TrainConfig) -> dict:
     t0 = time.time()
     tokenizer = wordpiece_tokenizer()
@@ -300,7 +306,11 @@ def run(cfg: TrainConfig) -> dict:
         heads.append((head, log))
         per_repeat.append(evaluate(split["test"], head, cfg.budgets, seed, keep_masks if r == 0 else None))
         if r == 0:
-            keep_masks["decisions"] = [(ex.session_id, ex.call) for ex in split["test"]]
+            keep_masks.update(methods=[m for m in METHODS if m in keep_masks], budgets=[str(b) for b in cfg.budgets],
+                              system_prefix_shared=shared_system_prefix(sessions),
+                              decisions=[{"session": ex.session_id, "call": ex.call, "end": ex.labels.numel(),
+                                          "system_end": ex.system_end, "output_tokens": ex.output_tokens}
+                                         for ex in split["test"]])
     summary, comparisons = summarize(per_repeat)
     print(format_table(summary, cfg.budgets))
     for name, c in comparisons.items():
