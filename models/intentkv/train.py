@@ -35,6 +35,7 @@ tokens at each budget on repeat 0's test sessions, for the prefix-cache replay),
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import zlib
@@ -185,9 +186,10 @@ def evaluate(examples: list[Example], head: ResidualHead | None, budgets: list[f
                 kept[name][share] += int((keep & ex.labels & cand).sum())
                 if keep_masks is not None:
                     keep_masks.setdefault(name, {}).setdefault(str(share), []).append(keep)
-    return {name: {"auroc": float(np.mean(aurocs[name])), "n_decisions_auroc": len(aurocs[name]),
+    return {name: {"auroc": float(np.mean(aurocs[name])) if aurocs.get(name) else math.nan,  # no both-class point
+                   "n_decisions_auroc": len(aurocs.get(name, [])),
                    **{f"recall@{share:g}": kept[name][share] / max(n_pos, 1) for share in budgets}}
-            for name in aurocs}
+            for name in kept}
 
 
 def interval(values: list[float]) -> dict:
@@ -299,7 +301,7 @@ def run(cfg: TrainConfig) -> dict:
                 print(f"repeat 0, rank_weight {w}: training on {len(split['train'])} decision points", flush=True)
                 head, _ = train_head(cfg, split["train"], w, seed)
                 selection[str(w)] = evaluate(split["val"], head, cfg.budgets, seed)[HEAD]["auroc"]
-            rank_weight = float(max(cfg.rank_weights, key=lambda w: selection[str(w)]))
+            rank_weight = float(max(cfg.rank_weights, key=lambda w: np.nan_to_num(selection[str(w)], nan=-1.0)))
             print(f"validation AUROC by rank_weight {selection}: using {rank_weight}", flush=True)
         print(f"repeat {r} (seed {seed}): training on {len(split['train'])} decision points", flush=True)
         head, log = train_head(cfg, split["train"], rank_weight, seed)
