@@ -154,7 +154,8 @@ def render(metrics: dict, masks: dict, rows: list[dict], command: str) -> str:
         f"{metrics['n_sessions']} sessions, {metrics['n_decisions']} decision points (repeat 0: {splits['train']} "
         f"train / {splits['val']} val / {splits['test']} test), mean context {metrics['mean_context_tokens']:.0f} "
         f"tokens, positive rate {metrics['positive_rate']:.3f}. " + weight_choice(metrics) + " "
-        f"Intervals: 95% t-intervals over {cfg['repeats']} repeats (seeds {cfg['seed']}..{cfg['seed'] + cfg['repeats'] - 1}: "
+        f"Intervals: 95% t-intervals over {cfg['repeats']} repeats "
+        f"(seeds {cfg['seed']}..{cfg['seed'] + cfg['repeats'] - 1}: "
         "split, head and sampling each); a comparison is the paired per-repeat difference.",
         "",
         "Held-out decision points (AUROC: mean over decision points; recall: positive tokens kept at the budget, "
