@@ -33,9 +33,12 @@ def test_sentinel_keeps_the_prefix_match_that_compaction_breaks():
     # the second call drops position 2, which the first kept: compaction's kept sequence then differs
     # right after the system prefix, the sentinel's full sequence still matches
     rows = replay_rows(masks_of([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1, 1, 1, 1]]), "test")
-    rate = {r["layout"]: r["reuse_rate"] for r in rows}
+    rate = {r["layout"]: r["reuse_rate"] for r in rows if r["workload"] == "test"}
     assert set(rate) == {"none", "compaction", "sentinel"}
     # sentinel: 5 of call 1's 9 kept tokens were computed by call 0 (positions 0, 1, 3, 4, 5)
     assert abs(rate["sentinel"] - 5 / 15) < 1e-9
     # compaction: only the 2 system tokens match
     assert abs(rate["compaction"] - 2 / 15) < 1e-9
+    # after the system prompt: call 1's 7 kept history tokens, 3 of them computed by call 0 under sentinel
+    history = {r["layout"]: r["reuse_rate"] for r in rows if r["workload"] == "test (after the system prompt)"}
+    assert abs(history["sentinel"] - 3 / 11) < 1e-9 and history["compaction"] == 0
