@@ -193,11 +193,11 @@ def _load_list(src: Path) -> list:
     return runs
 
 
-def read_tau_bench(src: str | Path, counter: TokenCounter | None = None, skip_bad_lines: bool = False) -> Traces:
-    """Read the published trajectories file; `skip_bad_lines` drops invalid runs (listed in `skipped`)."""
+def validated_runs(src: str | Path) -> tuple[list[_Run], list[Issue]]:
+    """Every run of the file that passes validation, and an issue for each problem of the others."""
     src = Path(src)
     issues: list[Issue] = []
-    records: list[tuple[int | None, ChatCall]] = []
+    runs: list[_Run] = []
     seen: dict[str, int] = {}
     for k, obj in enumerate(_load_list(src)):
         where = f"{src}: run {k}"
@@ -214,7 +214,23 @@ def read_tau_bench(src: str | Path, counter: TokenCounter | None = None, skip_ba
             issues.extend(Issue(where, None, field, reason) for field, reason in problems)
             continue
         seen[wid] = k
-        records.extend((None, c) for c in run_to_chat_calls(run))
+        runs.append(run)
+    return runs, issues
+
+
+def load_runs(src: str | Path) -> list[_Run]:
+    """The file's runs, all valid, or TraceValidationError listing every problem (IntentKV's sessions,
+    models/intentkv/tau_bench.py, read them this way)."""
+    runs, issues = validated_runs(src)
+    if issues:
+        raise TraceValidationError(issues)
+    return runs
+
+
+def read_tau_bench(src: str | Path, counter: TokenCounter | None = None, skip_bad_lines: bool = False) -> Traces:
+    """Read the published trajectories file; `skip_bad_lines` drops invalid runs (listed in `skipped`)."""
+    runs, issues = validated_runs(src)
+    records: list[tuple[int | None, ChatCall]] = [(None, c) for run in runs for c in run_to_chat_calls(run)]
     traces = chat_to_traces(str(src), records, counter or TokenCounter.wordpiece(), issues, skip_bad_lines)
     traces.meta.update({"format": "tau_bench", "src": str(src)})
     return traces

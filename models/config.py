@@ -24,7 +24,7 @@ import re
 from typing import Any, List, Optional
 
 from data.config import data_config
-from data.knobs import (above, at_least, below, broken_rule, build, check, knob, nonempty, one_of, probability,
+from data.knobs import (above, at_least, below, broken_rule, build, check, each, knob, nonempty, one_of, probability,
                         register)
 
 TEXT_SOURCES = ("auto", "hidden", "encoder", "none")  # auto: the trace's hidden vectors when every call has one
@@ -339,34 +339,60 @@ def raise_unknown(key: str, value, known) -> None:
 
 # ------------------------------------------------------------------ python -m models.intentkv.train
 
+INTENTKV_DATA = ("tau_bench", "synthetic")
+
+
 @dataclass
 class IntentKVTrainConfig(Knobs):
-    """The IntentKV residual head's training on generated text sessions (docs/intentkv.md)."""
+    """The IntentKV residual head's training and its comparison with the baselines (docs/intentkv.md)."""
 
+    sessions: str = knob("tau_bench", "tau_bench (the published airline trajectories) or synthetic (generated, "
+                                  "models/intentkv/sessions.py)", one_of(INTENTKV_DATA))
+    tau_bench_src: str = knob("data/traces/tau_bench/gpt-4o-airline.json", "tau-bench trajectories file (or its "
+                              ".gz beside it)", nonempty)
+    trials: List[int] = knob(None, "tau-bench trials used (each of the 50 tasks was run 4 times, trials 0-3)",
+                             nonempty, each(at_least(0)), factory=lambda: [0])
+    n_sessions: int = knob(160, "synthetic sessions generated", at_least(3))
+    val: float = knob(0.2, "share of tasks (synthetic: sessions) in the validation split", probability)
+    test: float = knob(0.2, "share of tasks (synthetic: sessions) held out for test", above(0), below(1))
     steps: int = knob(200, "optimiser steps", at_least(1))
     out: str = knob("runs/intentkv", "output folder (replaced whole, only when empty or made by this command)",
                     nonempty)
-    seed: int = knob(0, "seed of sessions, model and sampling", at_least(0))
-    n_train: int = knob(120, "training sessions", at_least(1))
-    n_test: int = knob(40, "held-out sessions", at_least(1))
-    horizon: int = knob(5, "label: a word in the arguments of the next `horizon` tool calls", at_least(1))
+    seed: int = knob(0, "first seed: of the synthetic sessions, and of the split, head and sampling of repeat 0",
+                     at_least(0))
+    repeats: int = knob(3, "seeds seed .. seed+repeats-1 (a split and a head each); intervals are over them",
+                        at_least(1))
+    horizon: int = knob(5, "label: a word in the argument values of the next `horizon` tool calls", at_least(1))
     lam: float = knob(0.5, "decay of the intent memory", at_least(0))
+    window: int = knob(510, "MiniLM window: tokens per forward pass besides [CLS] and [SEP] (at most 510)",
+                       at_least(1))
+    stride: int = knob(255, "MiniLM windows start every `stride` tokens (divides window; = window: no overlap)",
+                       at_least(1))
+    snapkv_window: int = knob(32, "SnapKV's observation window: the last queries of the latest span", at_least(1))
+    sink: int = knob(4, "StreamingLLM's attention sinks", at_least(0))
     batch: int = knob(8, "decision points per step", at_least(1))
     lr: float = knob(3e-3, "AdamW learning rate", above(0))
     weight_decay: float = knob(1e-4, "AdamW weight decay", at_least(0))
     d_model: int = knob(32, "residual head width", at_least(1))
     hidden: int = knob(64, "residual head hidden width", at_least(1))
-    budget_frac: float = knob(0.25, "evaluation budget: protected + this share of the other tokens", probability)
-    model_hidden: int = knob(64, "the random transformer's width", at_least(1))
-    model_layers: int = knob(2, "the random transformer's layers", at_least(1))
-    model_heads: int = knob(4, "the random transformer's attention heads", at_least(1))
+    bce_weight: float = knob(1.0, "weight of the binary cross-entropy term of the loss", at_least(0))
+    rank_weights: List[float] = knob(None, "weights of the hard-negative pairwise ranking term tried; the one with "
+                                           "the best validation AUROC of repeat 0 is used for every repeat",
+                                     nonempty, each(at_least(0)), factory=lambda: [0.5, 1.0, 2.0])
+    hard_negatives: int = knob(16, "ranking term: each positive against the top-scoring negatives of its decision "
+                                   "point's sample", at_least(1))
+    sample_negatives: int = knob(256, "negatives per decision point per step: the top ones by rule score and random "
+                                      "ones, half each (every positive is in the sample)", at_least(1))
+    budgets: List[float] = knob(None, "evaluation budgets: protected + this share of the other tokens", nonempty,
+                                each(probability), factory=lambda: [0.1, 0.25, 0.5])
     threads: int = knob(1, "torch threads while training", at_least(1))
-    baselines: bool = knob(True, "also score streaming_llm, h2o and snapkv")
 
     def __post_init__(self):
         check(self)
-        if self.model_hidden % self.model_heads:
-            raise broken_rule(self, ("model_hidden", "model_heads"), "model_hidden should be a multiple of model_heads")
+        if self.window > 510 or self.window % self.stride:
+            raise broken_rule(self, ("window", "stride"), "window should be at most 510 and a multiple of stride")
+        if self.val + self.test >= 1:
+            raise broken_rule(self, ("val", "test"), "val + test should be below 1 (the rest is the train split)")
 
 
 def register_schemas() -> None:

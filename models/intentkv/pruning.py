@@ -163,28 +163,33 @@ class ResidualHead(nn.Module):
         L, H, T, D = x.shape
         return self.norm(x.float().permute(2, 0, 1, 3).reshape(T, L * H * D))
 
-    def features(self, keys: Tensor, span_keys: Tensor, rule: Tensor, memory: Tensor | None) -> Tensor:
-        """The MLP input ``z`` of every position: ``[T, 2d + L*H + 2]``."""
+    def features(self, keys: Tensor, span_keys: Tensor, rule: Tensor, memory: Tensor | None,
+                 positions: Tensor | None = None) -> Tensor:
+        """The MLP input ``z`` of every position (or of ``positions`` only): ``[T or P, 2d + L*H + 2]``.
+        A position's ``z`` depends on the others only through the softmax over all ``T`` keys, so a
+        subset gives exactly the rows of the full result."""
         T = keys.shape[2]
-        h = self.proj(self._flat(keys))                                    # [T, d]
+        idx = torch.arange(T, device=keys.device) if positions is None else positions
+        h = self.proj(self._flat(keys[:, :, idx] if positions is not None else keys))   # [P, d]
         g = self.span_proj(self._flat(span_keys))                          # [S, d]
         att = (self.wq(h) @ self.wk(g).T / math.sqrt(self.d_model)).softmax(dim=-1)
-        c = att @ self.wv(g)                                               # [T, d]
+        c = att @ self.wv(g)                                               # [P, d]
         if memory is None:
-            head_logp = keys.new_zeros(T, self.n_layers * self.n_heads, dtype=torch.float32)
+            head_logp = keys.new_zeros(idx.numel(), self.n_layers * self.n_heads, dtype=torch.float32)
         else:
             k = _match_heads(keys, memory.shape[1]).float()
             logits = torch.einsum("lhd,lhtd->lht", memory.float(), k) / math.sqrt(k.shape[-1])
-            head_logp = (logits.log_softmax(dim=-1) + math.log(T)).reshape(-1, T).T
-        rule_feat = torch.log(rule.float() * T / (self.n_layers * self.n_heads) + 1e-6)
-        pos = torch.arange(T, dtype=torch.float32, device=keys.device) / max(T, 1)
+            head_logp = (logits.log_softmax(dim=-1) + math.log(T)).reshape(-1, T).T[idx]
+        rule_feat = torch.log(rule.float()[idx] * T / (self.n_layers * self.n_heads) + 1e-6)
+        pos = idx.float() / max(T, 1)
         z = torch.cat([h, c, head_logp, rule_feat[:, None], pos[:, None]], dim=-1)
         return z.clamp(-30.0, 30.0)                                        # finite: 0 * z stays 0
 
-    def forward(self, keys: Tensor, span_keys: Tensor, rule: Tensor, memory: Tensor | None = None) -> Tensor:
-        """Correction ``[T]`` for ``keys [L, H, T, D]``, given the span's keys ``[L, H, S, D]``,
-        the rule score ``[T]`` and the memory ``[L, H, D]``."""
-        return self.alpha * self.mlp(self.features(keys, span_keys, rule, memory)).squeeze(-1)
+    def forward(self, keys: Tensor, span_keys: Tensor, rule: Tensor, memory: Tensor | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        """Correction ``[T]`` for ``keys [L, H, T, D]`` (``[P]`` for ``positions [P]`` only), given the
+        span's keys ``[L, H, S, D]``, the rule score ``[T]`` and the memory ``[L, H, D]``."""
+        return self.alpha * self.mlp(self.features(keys, span_keys, rule, memory, positions)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- baselines

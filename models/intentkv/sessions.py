@@ -10,8 +10,10 @@ sessions do not depend on how many are drawn. Tool calls copy entities (order id
 addresses, names, files, amounts) that the user or earlier tool results mentioned, mostly recent
 ones, among distractor entities and filler text.
 
-K/Q come from a small randomly initialised Llama built from a config (nothing is downloaded):
-:func:`capture_qkv` returns the post-RoPE queries, keys and values of every layer.
+:func:`build_examples` lays out every decision point with the queries and keys of MiniLM
+(:mod:`models.intentkv.minilm`) and the scores of the methods that learn nothing. The small randomly
+initialised Llama (:func:`tiny_llama`, :func:`capture_qkv`: post-RoPE queries, keys and values of
+a causal model) serves the layout-equivalence tests (tests/models/test_intentkv.py).
 """
 
 from __future__ import annotations
@@ -249,11 +251,22 @@ def _is_word(w: str) -> bool:
     return any(ch.isalnum() for ch in w)
 
 
+def argument_values(value) -> list[str]:
+    """The leaf values of a (JSON) argument value as they are written: strings as they are, numbers,
+    booleans and null as JSON writes them; lists and objects flattened (an object's keys are names,
+    not values, and are left out)."""
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in argument_values(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in argument_values(v)]
+    return [value if isinstance(value, str) else json.dumps(value)]
+
+
 def argument_words(args: dict, tokenizer) -> set[str]:
     """Normalised words of a call's argument values (punctuation-only words left out)."""
     words = set()
-    for value in args.values():
-        norm = tokenizer.normalizer.normalize_str(str(value))
+    for value in argument_values(args):
+        norm = tokenizer.normalizer.normalize_str(value)
         words.update(w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str(norm) if _is_word(w))
     return words
 
@@ -302,7 +315,7 @@ def tokenize_session(session: Session, tokenizer, horizon: int = 5) -> Tokenized
             words.append(tokenizer.normalizer.normalize_str(msg.text[a:b]) if wid is not None else "")
         ids.extend(enc.ids)
     out = TokenizedSession(session.session_id, torch.tensor(ids, dtype=torch.long), words, starts)
-    calls = [i for i, m in enumerate(session.messages) if m.role == "assistant"]
+    calls = [i for i, m in enumerate(session.messages) if m.tool is not None]  # text replies are no calls
     arg_words = [argument_words(session.messages[i].args or {}, tokenizer) for i in calls]
     for c, m in enumerate(calls):
         if m < 2 or session.messages[m - 1].role not in ("user", "tool"):
@@ -317,42 +330,71 @@ def tokenize_session(session: Session, tokenizer, horizon: int = 5) -> Tokenized
 
 # ----------------------------------------------------------------------------- features
 
+FIXED_METHODS = ("intent_rule", "current_query", "streaming_llm", "h2o", "snapkv")
+
+
 @dataclass
 class Example:
-    """One decision point with its model tensors (views into the session's tensors)."""
+    """One decision point: its labels, the untrained methods' scores and the keys the head reads."""
 
     session_id: str
     call: int
-    queries: Tensor           # [L, H, end, D]
-    keys: Tensor              # [L, H, end, D]
     span_start: int
     memory: Tensor            # M_t [L, H, D], after the latest span
-    rule: Tensor              # [end]
     labels: Tensor            # bool [end]
     protected: Tensor         # bool [end]
+    fixed: dict[str, Tensor]  # method -> scores [end], for FIXED_METHODS
+    key_pieces: list[Tensor]  # float16 [L, H, n_i, D] slices, in order: the keys of [0, end)
+    system_end: int = 0       # the system prefix is [0, system_end)
+    output_tokens: int = 0    # tokens of the tool call's own message (the request's output)
 
     @property
-    def span_queries(self) -> Tensor:
-        return self.queries[:, :, self.span_start:]
+    def rule(self) -> Tensor:
+        return self.fixed["intent_rule"]
 
     @property
-    def span_keys(self) -> Tensor:
-        return self.keys[:, :, self.span_start:]
+    def keys(self) -> Tensor:
+        """``[L, H, end, D]`` float32 (assembled from the shared window slices on each access)."""
+        return torch.cat(self.key_pieces, dim=2).float()
+
+
+def fixed_scores(q: Tensor, k: Tensor, h2o: Tensor, span_start: int, memory: Tensor, snapkv_window: int,
+                 sink: int) -> dict[str, Tensor]:
+    """The scores of the methods that learn nothing, on one context's ``q, k [L, H, T, D]``:
+    the intent rule (memory ``M_t``), its ablation with the current query alone (``Enc(q_t)``),
+    StreamingLLM, H2O (the model's accumulated attention ``h2o [T]``) and SnapKV (observation
+    window: the last ``snapkv_window`` queries of the latest span)."""
+    from models.intentkv.pruning import encode_span, rule_scores, snapkv_scores, streaming_llm_scores
+
+    window = max(span_start, k.shape[2] - snapkv_window)
+    return {"intent_rule": rule_scores(memory, k),
+            "current_query": rule_scores(encode_span(q[:, :, span_start:]), k),
+            "streaming_llm": streaming_llm_scores(k.shape[2], sink),
+            "h2o": h2o,
+            "snapkv": snapkv_scores(q[:, :, window:], k)}
 
 
 @torch.no_grad()
-def build_examples(sessions: list[TokenizedSession], model, lam: float = 0.5) -> list[Example]:
-    """Run ``model`` once per session (causal, so prefix K/Q equal the full run's) and lay out every
-    decision point, carrying the intent memory across the session's decision points."""
-    from models.intentkv.pruning import encode_span, rule_scores, update_memory
+def build_examples(sessions: list[TokenizedSession], qk, lam: float = 0.5, snapkv_window: int = 32,
+                   sink: int = 4) -> list[Example]:
+    """Every decision point of ``sessions`` with its tensors from ``qk`` (a
+    :class:`models.intentkv.minilm.WindowedQK`: each context run on its own, the system prefix's
+    windows shared), carrying the intent memory across the session's decision points."""
+    from models.intentkv.pruning import encode_span, update_memory
 
     examples = []
     for ts in sessions:
-        q, k, _ = capture_qkv(model, ts.ids)
+        qk.new_session()
         memory = None
         for dp in ts.decisions:
-            qs, ks = q[:, :, : dp.end], k[:, :, : dp.end]
-            memory = update_memory(memory, encode_span(qs[:, :, dp.span_start:]), lam)
-            examples.append(Example(ts.session_id, dp.call, qs, ks, dp.span_start, memory,
-                                    rule_scores(memory, ks), dp.labels, dp.protected))
+            parts = qk.pieces(ts.ids, dp.end, shared_until=dp.system_end)
+            q = torch.cat([p[0] for p in parts], dim=2).float()
+            k = torch.cat([p[1] for p in parts], dim=2).float()
+            h2o = torch.cat([p[2] for p in parts]).float()
+            memory = update_memory(memory, encode_span(q[:, :, dp.span_start:]), lam)
+            m = ts.starts.index(dp.end)                        # the call's message
+            output_end = ts.starts[m + 1] if m + 1 < len(ts.starts) else ts.ids.numel()
+            examples.append(Example(ts.session_id, dp.call, dp.span_start, memory, dp.labels, dp.protected,
+                                    fixed_scores(q, k, h2o, dp.span_start, memory, snapkv_window, sink),
+                                    [p[1] for p in parts], dp.system_end, output_end - dp.end))
     return examples

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from models.intentkv.sessions import (argument_words, build_examples, generate_session, generate_sessions, tiny_llama,
-                                  tokenize_session, wordpiece_tokenizer)
+from models.intentkv.sessions import (argument_words, build_examples, generate_session, generate_sessions,
+                                      tokenize_session, wordpiece_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +46,32 @@ def test_labels_are_words_of_the_next_five_calls_arguments(tokenizer):
 
 
 def test_examples_carry_the_memory_and_slice_the_session(tokenizer):
-    model = tiny_llama(tokenizer.get_vocab_size(), seed=0, attn_implementation="sdpa")
+    from models.intentkv.minilm import WindowedQK, load_minilm
+    from models.intentkv.sessions import FIXED_METHODS
+
+    qk = WindowedQK(load_minilm(), tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]"))
     ts = tokenize_session(generate_session(0, 1), tokenizer)
-    ex = build_examples([ts], model)
+    ex = build_examples([ts], qk)
     assert len(ex) == len(ts.decisions)
     for e, dp in zip(ex, ts.decisions):
-        assert e.keys.shape[2] == dp.end == e.rule.shape[0] and e.span_queries.shape[2] == dp.end - dp.span_start
-        assert torch.isclose(e.rule.sum(), torch.tensor(2.0 * 4), atol=1e-4)
+        assert e.keys.shape == (6, 12, dp.end, 32) and e.rule.shape[0] == dp.end
+        assert set(e.fixed) == set(FIXED_METHODS) and all(s.shape == (dp.end,) for s in e.fixed.values())
+        assert torch.isclose(e.rule.sum(), torch.tensor(6.0 * 12), atol=1e-3)
     assert not torch.allclose(ex[0].memory, ex[1].memory)
+    assert not torch.allclose(ex[1].rule, ex[1].fixed["current_query"])    # the memory is not the current query
 
 
 def test_training_run_writes_a_loadable_head(tmp_path):
     from models.intentkv.train import load_residual_head, main, parse_config
 
-    result = main(["steps=3", "n_train=3", "n_test=2", f"out={tmp_path}", "baselines=false"])
-    assert set(result["metrics"]) == {"intent_rule", "intent_rule+residual"}
+    result = main(["sessions=synthetic", "n_sessions=5", "steps=3", "repeats=1", "rank_weights=[1.0]",
+                   "window=128", "stride=128", f"out={tmp_path}"])
+    assert "intent_rule+residual" in result["summary"] and result["rank_weight"] == 1.0
     saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["config"]["steps"] == 3
+    assert saved["config"]["steps"] == 3 and saved["config"]["sessions"] == "synthetic"
     head = load_residual_head(tmp_path / "residual_head.pt")
-    assert head.config()["n_layers"] == 2
+    assert head.config()["n_layers"] == 6
     with pytest.raises(Exception):
         parse_config(["no_such_key=1"])
+    with pytest.raises(Exception, match="sessions"):
+        parse_config(["sessions=other"])
