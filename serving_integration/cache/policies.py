@@ -11,7 +11,9 @@ Policies (docs/simulator.md; PBKV, arXiv 2605.06472):
     lru        last access time                                     (SGLang's default)
     lfu        (hit count, last access)                             (SGLang's)
     tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)
-    kvflow     larger steps-to-execution first, from the agent step graph (KVFlow)
+    kvflow_ideal  idealised KVFlow: larger steps-to-execution first, from the agent step graph;
+               retired cache counts as never needed (KVFlow as its code runs it: `kvflow`,
+               baselines.py, with SGLang's other strategies and Continuum)
     pbkv_lae   lifecycle-aware: retired cache first, then LRU
     pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties.
                trust="adaptive" (default) measures the predictions online and orders as
@@ -49,7 +51,7 @@ import torch
 
 from data.knobs import build
 from models.base import survival
-from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
+from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
     TrustConfig
 
 INF = math.inf
@@ -203,6 +205,46 @@ class EvictionPolicy:
         caller's heaps must be rebuilt)."""
         return False
 
+    # What the baselines of baselines.py record besides the ledger (no-ops for the others).
+    prefetch_mode: str | None = None  # a policy with its own prefetch order (Prefetch's policy modes)
+
+    def on_cached(self, node: CacheNode | None, workflow: str, agent: str, finished: bool) -> None:
+        """A call's path ends at `node`: when the call is matched (finished=False) and when its KV
+        is cached (finished=True)."""
+
+    def on_split(self, prefix: CacheNode, suffix: CacheNode) -> None:
+        """A node split: `prefix` is the new parent of `suffix` (which keeps its id)."""
+
+    def forget(self, node: CacheNode) -> None:
+        """A node left the tree."""
+
+    def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> bool:
+        """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph);
+        True when every node's priority changed at once."""
+        return False
+
+    def attach(self, gpu_tokens: int, prefill_s: Callable[[int, int], float]) -> None:
+        """The server's GPU capacity and prefill time (new tokens, cached tokens) -> seconds."""
+
+    def on_call_finished(self, workflow: str, agent: str, node_ids: Sequence[int], context_tokens: int,
+                         more_calls: bool) -> list[int]:
+        """A call finished (a tool call follows when more_calls); the nodes whose priority changed."""
+        return []
+
+    def on_time(self, now: float) -> list[int]:
+        """Time moved to `now` (before an eviction); the nodes whose priority changed."""
+        return []
+
+    def prefetch_order(self, by_id: dict, idle_workflows) -> list[tuple]:
+        """With `prefetch_mode`: (node off the GPU, tag) to load, in order."""
+        return []
+
+    def on_prefetched(self, path: list, tag) -> None:
+        """A prefetch candidate's path was loaded (path[0] the topmost node)."""
+
+    def on_prefetch_failed(self) -> None:
+        """A candidate did not fit (with Prefetch.stops_at_failure: the round ends)."""
+
 
 class LRU(EvictionPolicy):
     name = "lru"
@@ -307,13 +349,15 @@ class PBKV(_LedgerPolicy):
 
 
 class KVFlow(_LedgerPolicy):
-    """Larger steps-to-execution first (retired cache counts as never needed); a parent inherits
-    the largest value of its evicted children; LRU breaks ties."""
+    """Idealised KVFlow (`kvflow_ideal`): larger steps-to-execution first (retired cache counts as
+    never needed); a parent inherits the largest value of its evicted children; LRU breaks ties.
+    Stronger than its public code in some ways and different in others (docs/baselines/kvflow.md;
+    that code is `kvflow`, baselines.KVFlowFork)."""
 
-    name = "kvflow"
+    name = "kvflow_ideal"
     uses_predictions = True
 
-    def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.hold_step):
+    def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.ideal_hold_step):
         super().__init__(ledger)
         self.hold_step = hold_step
         self._inherited: dict[int, float] = {}
@@ -351,10 +395,17 @@ class Oracle(_LedgerPolicy):
 
 # One registry: every other list of policy names (the simulator's, evaluate's, the plugin's and the
 # launcher's) derives from it. `served_by`: who runs the policy in a real server: "sglang" ships it,
-# "plugin" is this project's SGLang plugin, "simulator" needs the real future (clairvoyant).
+# "plugin" is this project's SGLang plugin, "simulator": only the simulator (the oracle needs the
+# real future; the plugin does not carry kvflow's and lru_prefetch's own prefetch yet).
 POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)}
+# the baselines as their authors run them (baselines.py builds on the classes above; import it
+# through this module)
+from serving_integration.cache.baselines import BASELINES  # noqa: E402
+
+POLICIES.update((cls.name, cls) for cls in BASELINES)
 PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
 SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
+STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if issubclass(POLICIES[name], KVFlow))  # the plugin's KVFlows
 
 
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:
@@ -383,9 +434,14 @@ class Prefetch:
                   the one-step (k = 1) score.
     aggressive:   the ablation (and KVFlow's way): may evict any unlocked cache, in eviction
                   order, to make room; same bandwidth budget and ranking.
+
+    The policy's own order (POLICY_PREFETCH_MODES, a policy's `prefetch_mode`; baselines.py): the
+    candidates and their order come from `policy.prefetch_order`, in the same time and budget.
+    kvflow:       KVFlow's: may evict, and stops at the first candidate that does not fit.
+    last_call:    lru_prefetch's: the conservative mode's room (free space and retired cache).
     """
 
-    MODES = PREFETCH_MODES
+    MODES = PREFETCH_MODES + POLICY_PREFETCH_MODES
 
     def __init__(self, mode: str, ledger: WorkflowLedger):
         if mode not in self.MODES:
@@ -396,8 +452,21 @@ class Prefetch:
     def enabled(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def uses_predictions(self) -> bool:
+        """Ranked by the predictions (kvflow's order reads its step graph through the policy)."""
+        return self.mode in ("conservative", "aggressive")
+
+    @property
+    def policy_driven(self) -> bool:
+        return self.mode in POLICY_PREFETCH_MODES
+
+    @property
+    def stops_at_failure(self) -> bool:
+        return self.mode == "kvflow"
+
     def may_evict(self, node: CacheNode) -> bool:
-        return self.mode == "aggressive" or self.ledger.is_retired(node.id)
+        return self.mode in ("aggressive", "kvflow") or self.ledger.is_retired(node.id)
 
     def rank(self, candidates: list) -> list:
         """Candidates (nodes) with a positive one-step score, best first; ties by node id."""

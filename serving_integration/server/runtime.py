@@ -39,29 +39,31 @@ from data.errors import ConfigError
 from data.knobs import above, at_least, knob, nonempty, one_of, shown
 from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, OnlineBackoffConfig, \
     PbkvConfig
-from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
+from serving_integration.cache.policies import PLUGIN_POLICIES, STEP_GRAPH_POLICIES, LifecycleLRU, Prefetch, \
+    WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
+DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive", "kvflow_nolae": "aggressive"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 
 
 @dataclass(frozen=True)
 class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
-    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow policies: the
+    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow_ideal policies: the
     policies' own knobs (serving_integration/cache/config.py, the simulator reads the same classes;
-    `horizon` is K of kvflow's step graph, a checkpoint brings its own) plus the server-only ones
+    `horizon` is K of kvflow_ideal's step graph, a checkpoint brings its own) plus the server-only ones
     below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
     a value out of range fails there too (one line naming it)."""
 
     checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
-    step_graph_traces: Optional[str] = knob(None, "kvflow: dataset dir whose train split gives the step graph")
+    step_graph_traces: Optional[str] = knob(None, "kvflow_ideal, kvflow_nolae: dataset dir whose train split gives "
+                                           "the step graph")
     prefetch: Optional[str] = knob(None, "none | conservative | aggressive (null: pbkv conservative, pbkv_lae none, "
-                                   "kvflow aggressive)", one_of(PREFETCH_MODES))
+                                   "kvflow_ideal aggressive)", one_of(PREFETCH_MODES))
     predictor_device: str = knob("cpu", "torch device of the predictor", nonempty)
     predictor_timeout_s: Optional[float] = knob(0.05, "a prediction round slower than this falls back (null or 0: "
                                                 "no timeout, needed for TP > 1, see docs/serving.md)", at_least(0))
@@ -254,11 +256,11 @@ class GuardedPredictor:
 
 
 def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
-    """pbkv: the train.py checkpoint; kvflow: the agent step graph of a trace dataset (the graph its
+    """pbkv: the train.py checkpoint; kvflow_ideal: the agent step graph of a trace dataset (the graph its
     meta.json declares, else its train split's transitions). A source
     that cannot be built is logged and counted; the policy then runs as lifecycle-aware LRU."""
     try:
-        if policy == "kvflow" and config.step_graph_traces:
+        if policy in STEP_GRAPH_POLICIES and config.step_graph_traces:
             from data import store
             from serving_integration.cache.predictions import AgentStepGraph
             from serving_integration.cache.workload import workflows_from_rows
@@ -266,7 +268,7 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
             dataset = store.load(config.step_graph_traces)
             train = workflows_from_rows(dataset.rows("train"))
             return AgentStepGraph.for_dataset(dataset.meta, [[c.agent for c in w.calls] for w in train], config.horizon)
-        if policy != "kvflow" and config.checkpoint:
+        if policy not in STEP_GRAPH_POLICIES and config.checkpoint:
             from models import load_predictor
             from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 
@@ -276,10 +278,10 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
         stats.count("predictor_unavailable")
         log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
         return None
-    if policy in ("pbkv", "kvflow"):
+    if policy in ("pbkv", *STEP_GRAPH_POLICIES):
         stats.count("predictor_unavailable")
         log.error("PBKV: %s has no %s; it runs as lifecycle-aware LRU", policy,
-                  "step_graph_traces" if policy == "kvflow" else "checkpoint")
+                  "step_graph_traces" if policy in STEP_GRAPH_POLICIES else "checkpoint")
     return None
 
 
@@ -293,7 +295,7 @@ class WorkflowRuntime:
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
-        options = ({"hold_step": config.hold_step} if policy_name == "kvflow" else
+        options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
                    config.trust_options(config.trust) if policy_name == "pbkv" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.fallback = LifecycleLRU(self.ledger)
@@ -301,7 +303,7 @@ class WorkflowRuntime:
         self.predictor = GuardedPredictor(source, self.stats, config.predictor_timeout_s) if source else None
         if self.predictor is not None:
             self.predictor.warm_up(source.agent_names[-1])
-        # predictions are needed by the order itself (pbkv, kvflow) or to rank prefetch candidates
+        # predictions are needed by the order itself (pbkv, kvflow_ideal) or to rank prefetch candidates
         self.needs_predictions = self.policy.uses_predictions or self.prefetch.enabled
         self.degraded = self.needs_predictions and self.predictor is None
         # live workflows, least recently seen first (a call moves its workflow to the end)
@@ -447,7 +449,7 @@ class WorkflowRuntime:
             self.degraded = True
             self.stats.count("fallback_rounds")
             return
-        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow's step graph
+        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow_ideal's step graph
         self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
                                     graph_steps(batch) if graph_steps else None)
         self.degraded = False

@@ -165,6 +165,7 @@ class Server:
         self.config, self.cost = config, cost
         self.ledger = WorkflowLedger(gamma)
         self.policy = make_policy(policy, self.ledger, next_use=next_use, **(policy_options or {}))
+        self.policy.attach(gpu_tokens, cost.prefill_s)
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
@@ -199,10 +200,12 @@ class Server:
 
     def _on_delete(self, node: Node) -> None:
         self.ledger.forget(node.id)
+        self.policy.forget(node)
         self.prefetched.pop(node.id, None)
 
     def _on_split(self, prefix: Node, suffix: Node) -> None:
         self.ledger.split(prefix.id, suffix.id)
+        self.policy.on_split(prefix, suffix)
         if suffix.id in self.prefetched:
             self.prefetched[prefix.id] = prefix.num_tokens
             self.prefetched[suffix.id] = suffix.num_tokens
@@ -239,7 +242,14 @@ class Server:
     def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str]) -> None:
         """wf's next call, issued at time t, arrives; an idle server prefetches through the idle time first."""
         self.idle_until(t, idle_workflows)
-        self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self))
+        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self)
+        if self.config.scheduling == "program_fcfs":  # Continuum's: the earliest-started program first
+            at = len(self.waiting)
+            while at > 0 and self.waiting[at - 1].wf.start_time > wf.start_time:
+                at -= 1
+            self.waiting.insert(at, request)
+        else:
+            self.waiting.append(request)
         self.calls += 1
 
     def step(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
@@ -271,7 +281,9 @@ class Server:
 
     def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
+        tree.refresh_ids(self.policy.on_time(self.now))  # continuum: expired pins
         path = tree.match(call.units, call.lens)
+        self.policy.on_cached(path[-1] if path else None, r.wf.id, call.agent, False)
         # hits are counted in the request's own token counts (a pruned request may need fewer
         # tokens of a unit than the cache holds); memory moves in the cache's counts
         matched = sum(len(n.units) for n in path)
@@ -380,6 +392,10 @@ class Server:
             tree.unlock(r.last_node)
         for node in path:
             self.ledger.record_access(node.id, wf.id, call.agent)
+        if path:
+            self.policy.on_cached(path[-1], wf.id, call.agent, True)
+        tree.refresh_ids(self.policy.on_call_finished(wf.id, call.agent, [n.id for n in path], sum(lens),
+                                                      wf.next_call + 1 < len(wf.calls)))
         tree.refresh_many(path)
         self.ever_cached.update(keys)
         self.trace.append(r)
@@ -406,6 +422,8 @@ class Server:
         steps = graph_steps(batch) if graph_steps else None
         measured = time.perf_counter() - started
         self.ledger.set_predictions([w.id for w in batch], predictions.agent_names, probs, steps)
+        if self.policy.on_steps([w.id for w in batch], steps):  # kvflow: a global step update
+            self.tree.reprioritize()
         for w in batch:
             self.tree.refresh_ids(self.ledger.nodes_of.get(w.id, ()))
         self.counters.predictor_calls += 1
@@ -426,15 +444,19 @@ class Server:
         budget = self.cost.pcie_tokens(seconds)
         tree = self.tree
         running = self.running
-        candidates = {}
-        for wf_id in idle_workflows:
-            if wf_id in running:
-                continue
-            for node_id in self.ledger.nodes_of.get(wf_id, ()):
-                node = tree.by_id.get(node_id)
-                if node is not None and not node.on_gpu:
-                    candidates[node_id] = node
-        for node in self.prefetch.rank(list(candidates.values())):
+        if self.prefetch.policy_driven:  # a baseline's own order (kvflow, lru_prefetch)
+            ranked = self.policy.prefetch_order(tree.by_id, (w for w in idle_workflows if w not in running))
+        else:
+            candidates = {}
+            for wf_id in idle_workflows:
+                if wf_id in running:
+                    continue
+                for node_id in self.ledger.nodes_of.get(wf_id, ()):
+                    node = tree.by_id.get(node_id)
+                    if node is not None and not node.on_gpu:
+                        candidates[node_id] = node
+            ranked = [(node, None) for node in self.prefetch.rank(list(candidates.values()))]
+        for node, tag in ranked:
             if budget <= 0:
                 break
             if node.on_gpu or node.parent is None:
@@ -444,7 +466,7 @@ class Server:
                 path.append(path[-1].parent)
             path.reverse()
             need = sum(n.num_tokens for n in path)
-            if need > budget:
+            if need > budget:  # waits for a longer window
                 continue
             anchor = path[0].parent
             tree.lock(anchor)  # keep the path's GPU ancestor while making room
@@ -452,8 +474,13 @@ class Server:
                 tree.evict_gpu(need - tree.gpu_free(), allow=self.prefetch.may_evict)
             tree.unlock(anchor)
             if tree.gpu_free() < need:
+                if self.prefetch.stops_at_failure:  # kvflow: a load that fails ends the round
+                    self.policy.on_prefetch_failed()
+                    break
                 continue
             tree.load_back(path)
+            self.policy.on_prefetched(path, tag)
+            tree.refresh_many(path)
             if self.decisions is not None:
                 self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
@@ -490,7 +517,7 @@ class Simulator:
                                gamma, next_use=self.future.next_use if self.future else None,
                                record_decisions=record_decisions) for _ in range(config.replicas)]
         first = self.servers[0]
-        if (first.policy.uses_predictions or first.prefetch.enabled) and predictions is None:
+        if (first.policy.uses_predictions or first.prefetch.uses_predictions) and predictions is None:
             raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
         self.router = make_router(config.routing, config.replicas, **dict((config.router or {}).get(config.routing) or {}))
         if self.router.uses_predictions and predictions is None:

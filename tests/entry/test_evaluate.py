@@ -34,8 +34,9 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     summary, stdout = evaluate(tmp_path / "run", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"], r["trust"]) for r in rows] == [
-        ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "aggressive", "none"),
-        ("kvflow", "none", "none"),        ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
+        ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "kvflow", "none"),
+        ("kvflow", "none", "none"), ("kvflow_ideal", "aggressive", "none"), ("kvflow_ideal", "none", "none"),
+        ("continuum", "none", "none"), ("lru_prefetch", "last_call", "none"), ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
         ("pbkv", "none", "always"), ("pbkv", "conservative", "always"), ("pbkv_perfect", "none", "always"),
         ("pbkv_perfect", "conservative", "always"), ("oracle", "none", "none"), ("oracle", "conservative", "none")]
     assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"adaptive": True, "always": False}
@@ -58,7 +59,8 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
         assert (tmp_path / "run" / png).stat().st_size > 10_000
     assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
     assert summary["kvflow_graph"]["origin"] == "declared" and summary["kvflow_graph"]["kind"] == "transitions"
-    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "aggressive"]["prefetched_tokens"]
+    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "kvflow"]["prefetched_tokens"]
+    assert by["kvflow_ideal", "none"]["prefetched_tokens"] == 0 < by["kvflow_ideal", "aggressive"]["prefetched_tokens"]
     assert summary["end_signal"]["delay_s"] > 0 and summary["end_signal"]["inactivity_timeout_s"] > 1
 
 
