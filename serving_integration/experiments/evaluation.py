@@ -69,6 +69,7 @@ from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, 
                                                    PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.config import PredictorConfig, Settings, settings
+from serving_integration.experiments.presentation import OWN_PREFETCH
 from serving_integration.experiments.rows import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.engine import simulate
@@ -175,9 +176,6 @@ class Replay:
 
 
 KVFLOW = ("kvflow", "kvflow_ideal", "kvflow_nolae")
-# each KVFlow variant's own prefetch, and none (eviction compared at equal prefetch)
-KVFLOW_PREFETCH = {"kvflow": ("kvflow", "none"), "kvflow_ideal": ("aggressive", "none"),
-                   "kvflow_nolae": ("aggressive", "none")}
 
 
 def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
@@ -187,11 +185,11 @@ def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
     perfect = PerfectSource(replay.agent_names, pbkv.horizon)
     for name in knobs.run.policies:
         if name in KVFLOW:
-            for mode in KVFLOW_PREFETCH[name]:
+            for mode in (OWN_PREFETCH[name], "none"):  # its own, and none (eviction at equal prefetch)
                 yield name, mode, "step_graph", dict(policy=name, policy_options=knobs.kvflow.options(name),
                                                      prefetch=mode, predictions=replay.step_graph)
         elif name == "lru_prefetch":  # LRU and plain prefetch of each waiting workflow's last node
-            yield name, "last_call", "none", dict(policy=name, prefetch="last_call")
+            yield name, OWN_PREFETCH[name], "none", dict(policy=name, prefetch=OWN_PREFETCH[name])
         elif name == "continuum":
             yield name, "none", "none", dict(policy=name, policy_options=dataclasses.asdict(knobs.continuum))
         elif name in PREDICTIVE:
