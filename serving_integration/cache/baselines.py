@@ -19,8 +19,8 @@ Workflow-aware baselines (the simulator; docs/baselines/):
                   (docs/baselines/kvflow.md, line by line against the fork's files)
     kvflow_nolae  the idealised KVFlow (policies.KVFlow, `kvflow_ideal`) without its lifecycle
                   signal: cache of retired workflows counts as an agent outside the step graph
-    lru_prefetch  LRU, and prefetch of each waiting workflow's own last node, the one that waited
-                  longest first (no predictor): what plain prefetch gains
+    lru_prefetch  LRU, and prefetch of each waiting workflow's own last nodes (one per agent), the
+                  one that waited longest first (no predictor): what plain prefetch gains
     continuum     Continuum's tool-call TTL pin (arXiv 2511.02230): a program's KV is kept through
                   its tool call for a TTL from a cost model, then released; LRU otherwise
                   (docs/baselines/continuum.md)
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from serving_integration.cache.config import ContinuumConfig, KvflowConfig
-from serving_integration.cache.policies import INF, EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy
+from serving_integration.cache.policies import EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy, register
 
 # -------------------------------------------------------------------- SGLang's own strategies
 
@@ -268,11 +268,12 @@ class KVFlowFork(_LedgerPolicy):
 
 
 class LRUPrefetch(_LedgerPolicy):
-    """LRU eviction; prefetch (Prefetch's policy-driven mode, within the conservative mode's rules:
-    free space and retired cache, decode-only and idle time) of each waiting workflow's own last
-    node, the deepest node its last call cached (prompt and output), the workflow that has waited
-    longest first: its next call is most overdue. No predictor: the next call is assumed to extend
-    the workflow's own history, whichever agent makes it."""
+    """LRU eviction; prefetch (Prefetch's policy-driven mode `last_call`, within the conservative
+    mode's rules: free space and retired cache, decode-only and idle time) of each waiting
+    workflow's own last nodes: per agent of the workflow, the deepest node that agent's last call
+    cached (prompt and output). The workflow that has waited longest goes first (its next call is
+    the most overdue), its agents by how recently each ran. No predictor: whichever agent comes
+    next, its context is among them."""
 
     name = "lru_prefetch"
     served_by = "simulator"
@@ -280,27 +281,31 @@ class LRUPrefetch(_LedgerPolicy):
 
     def __init__(self, ledger: WorkflowLedger):
         super().__init__(ledger)
-        self.last_node: dict[str, object] = {}  # workflow -> the last node of its last finished call
-        self._order = 0
-        self.finished_at: dict[str, int] = {}
+        self.last_nodes: dict[str, dict[str, object]] = {}  # workflow -> agent -> its last call's last node
+        self.finished_at: dict[str, int] = {}  # workflow -> order of its last finished call
+        self._calls = 0
 
     def priority(self, node):
         return (node.last_access_time,)
 
     def on_cached(self, node, workflow: str, agent: str, finished: bool) -> None:
         if finished and node is not None and node.parent is not None:
-            self.last_node[workflow] = node
-            self._order += 1
-            self.finished_at[workflow] = self._order
+            agents = self.last_nodes.setdefault(workflow, {})
+            agents.pop(agent, None)  # re-inserted last: the most recent agent
+            agents[agent] = node
+            self._calls += 1
+            self.finished_at[workflow] = self._calls
 
     def forget(self, node) -> None:
-        for w in [w for w, n in self.last_node.items() if n is node]:
-            del self.last_node[w]
+        for agents in self.last_nodes.values():
+            for agent in [a for a, n in agents.items() if n is node]:
+                del agents[agent]
 
     def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[object, None]]:
-        waiting = [w for w in idle_workflows if w in self.last_node and self.ledger.is_live(w)]
-        waiting.sort(key=lambda w: self.finished_at[w])
-        return [(self.last_node[w], None) for w in waiting if not self.last_node[w].on_gpu]
+        waiting = sorted((w for w in idle_workflows if w in self.last_nodes and self.ledger.is_live(w)),
+                         key=self.finished_at.__getitem__)
+        return [(node, None) for w in waiting for node in reversed(list(self.last_nodes[w].values()))
+                if not node.on_gpu]
 
 
 # -------------------------------------------------------------------- Continuum
@@ -428,4 +433,5 @@ class Continuum(_LedgerPolicy):
 
 
 BASELINES = (FIFO, MRU, FILO, SLRU, Priority, KVFlowFork, KVFlowNoLifecycle, LRUPrefetch, Continuum)
+register(*BASELINES)
 

@@ -397,15 +397,24 @@ class Oracle(_LedgerPolicy):
 # launcher's) derives from it. `served_by`: who runs the policy in a real server: "sglang" ships it,
 # "plugin" is this project's SGLang plugin, "simulator": only the simulator (the oracle needs the
 # real future; the plugin does not carry kvflow's and lru_prefetch's own prefetch yet).
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)}
-# the baselines as their authors run them (baselines.py builds on the classes above; import it
-# through this module)
-from serving_integration.cache.baselines import BASELINES  # noqa: E402
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+PLUGIN_POLICIES: tuple[str, ...] = ()
+SGLANG_POLICIES: tuple[str, ...] = ()
+STEP_GRAPH_POLICIES: tuple[str, ...] = ()  # the plugin's KVFlows (a step graph drives them)
 
-POLICIES.update((cls.name, cls) for cls in BASELINES)
-PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
-SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
-STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if issubclass(POLICIES[name], KVFlow))  # the plugin's KVFlows
+
+def register(*classes: type[EvictionPolicy]) -> None:
+    """Add policies to the one registry and derive the lists of who serves them. The baselines of
+    baselines.py register themselves; importing the package (cache/__init__.py) imports them, so
+    every `from serving_integration.cache.policies import ...` sees the whole registry."""
+    global PLUGIN_POLICIES, SGLANG_POLICIES, STEP_GRAPH_POLICIES
+    POLICIES.update((cls.name, cls) for cls in classes)
+    PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
+    SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
+    STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if issubclass(POLICIES[name], KVFlow))
+
+
+register(LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)
 
 
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:

@@ -394,6 +394,7 @@ class Server:
             self.ledger.record_access(node.id, wf.id, call.agent)
         if path:
             self.policy.on_cached(path[-1], wf.id, call.agent, True)
+        tree.refresh_ids(self.policy.on_time(self.now))
         tree.refresh_ids(self.policy.on_call_finished(wf.id, call.agent, [n.id for n in path], sum(lens),
                                                       wf.next_call + 1 < len(wf.calls)))
         tree.refresh_many(path)

@@ -216,21 +216,25 @@ def test_kvflow_nolae_holds_retired_cache_like_an_agent_outside_the_graph():
 # -------------------------------------------------------------------- LRU with plain prefetch
 
 
-def test_lru_prefetch_orders_by_recency_and_prefetches_the_longest_waiting_workflows_last_node():
+def test_lru_prefetch_orders_by_recency_and_prefetches_the_longest_waiting_workflows_last_nodes():
     ledger = WorkflowLedger()
     policy = LRUPrefetch(ledger)
-    tree, (a, b, c) = tree_with(policy, "aa", "bb", "cc")
+    tree, (a, b, c, d) = tree_with(policy, "aa", "bb", "cc", "dd")
     tree.match(list("aa"), [1, 1])
     assert eviction_order(tree, 2) == ["bb"]
-    for w, node in (("w1", c), ("w2", a)):
-        ledger.start(w)
-        policy.on_cached(node, w, "coder", True)
+    ledger.start("w1")
+    ledger.start("w2")
+    policy.on_cached(c, "w1", "coder", True)
+    policy.on_cached(d, "w1", "tester", True)  # w1's agents: tester ran last
+    policy.on_cached(a, "w2", "coder", True)
     tree.evict_gpu(10**9)
-    # w1's call finished first: it has waited longest
-    assert policy.prefetch_order(tree.by_id, ["w2", "w1"]) == [(c, None), (a, None)]
+    # w1's last call finished first: it has waited longest; its agents' last nodes, the latest first
+    assert policy.prefetch_order(tree.by_id, ["w2", "w1"]) == [(d, None), (c, None), (a, None)]
     assert policy.prefetch_order(tree.by_id, ["w2"]) == [(a, None)]  # only the waiting ones
+    policy.on_cached(c, "w1", "coder", True)  # coder ran again: now w1's latest, and w1 waited least
+    assert policy.prefetch_order(tree.by_id, ["w1", "w2"]) == [(a, None), (c, None), (d, None)]
     ledger.end("w2")
-    assert policy.prefetch_order(tree.by_id, ["w2", "w1"]) == [(c, None)]
+    assert policy.prefetch_order(tree.by_id, ["w2", "w1"]) == [(c, None), (d, None)]
 
 
 # -------------------------------------------------------------------- Continuum
