@@ -64,6 +64,22 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     assert summary["end_signal"]["delay_s"] > 0 and summary["end_signal"]["inactivity_timeout_s"] > 1
 
 
+def test_sglangs_strategies_and_the_other_baselines_under_program_fcfs(tmp_path, cache):
+    """The policies the default list leaves out, under Continuum's program-level FCFS admission."""
+    summary, _ = evaluate(tmp_path / "baselines", "policies=[lru,fifo,mru,filo,slru,priority,kvflow_nolae,continuum]",
+                          "sim.scheduling=program_fcfs", cache=cache)
+    rows = summary["rows"]
+    assert [(r["policy"], r["prefetch"]) for r in rows] == [
+        ("lru", "none"), ("fifo", "none"), ("mru", "none"), ("filo", "none"), ("slru", "none"), ("priority", "none"),
+        ("kvflow_nolae", "aggressive"), ("kvflow_nolae", "none"), ("continuum", "none")]
+    by = {(r["policy"], r["prefetch"]): r for r in rows}
+    assert by["priority", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # no request priorities: LRU
+    assert by["mru", "none"]["hit_rate"] != by["lru", "none"]["hit_rate"]
+    assert summary["config"]["sim"]["scheduling"] == "program_fcfs"
+    for r in rows:
+        assert r["hit_rate"] <= r["bound_hit_rate"] <= 1
+
+
 def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
     summary, _ = evaluate(tmp_path / "seeds", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
                           "sim.end_signal_loss=0.5", cache=cache)
