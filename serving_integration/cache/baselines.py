@@ -119,7 +119,6 @@ class KVFlowFork(_LedgerPolicy):
     name = "kvflow"
     served_by = "simulator"
     uses_predictions = True
-    prefetch_mode = "kvflow"  # its own prefetch (Prefetch's policy-driven mode)
 
     def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.hold_step,
                  load_ahead_step: int = KvflowConfig.load_ahead_step, holding: bool = KvflowConfig.holding,
@@ -277,7 +276,6 @@ class LRUPrefetch(_LedgerPolicy):
 
     name = "lru_prefetch"
     served_by = "simulator"
-    prefetch_mode = "last_call"
 
     def __init__(self, ledger: WorkflowLedger):
         super().__init__(ledger)

@@ -51,8 +51,8 @@ import torch
 
 from data.knobs import build
 from models.base import survival
-from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
-    TrustConfig
+from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
+    PbkvConfig, TlruConfig, TrustConfig
 
 INF = math.inf
 
@@ -206,7 +206,6 @@ class EvictionPolicy:
         return False
 
     # What the baselines of baselines.py record besides the ledger (no-ops for the others).
-    prefetch_mode: str | None = None  # a policy with its own prefetch order (Prefetch's policy modes)
 
     def on_cached(self, node: CacheNode | None, workflow: str, agent: str, finished: bool) -> None:
         """A call's path ends at `node`: when the call is matched (finished=False) and when its KV
@@ -236,7 +235,8 @@ class EvictionPolicy:
         return []
 
     def prefetch_order(self, by_id: dict, idle_workflows) -> list[tuple]:
-        """With `prefetch_mode`: (node off the GPU, tag) to load, in order."""
+        """Under a policy-driven prefetch mode (Prefetch.policy_driven): (node off the GPU, tag) to
+        load, in order."""
         return []
 
     def on_prefetched(self, path: list, tag) -> None:
@@ -444,7 +444,7 @@ class Prefetch:
     aggressive:   the ablation (and KVFlow's way): may evict any unlocked cache, in eviction
                   order, to make room; same bandwidth budget and ranking.
 
-    The policy's own order (POLICY_PREFETCH_MODES, a policy's `prefetch_mode`; baselines.py): the
+    The policy's own order (POLICY_PREFETCH_MODES; baselines.py, evaluate.py runs each with its own): the
     candidates and their order come from `policy.prefetch_order`, in the same time and budget.
     kvflow:       KVFlow's: may evict, and stops at the first candidate that does not fit.
     last_call:    lru_prefetch's: the conservative mode's room (free space and retired cache).

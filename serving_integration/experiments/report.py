@@ -195,7 +195,8 @@ def setting_tables(rows: list[dict], split: str | None = None) -> str:
                          cell(r, "bound_hit_rate", "{:.1%}"), cell(r, "gap_closed"),
                          *(cell(r, f"time_{part}_s") for part in TIME_SPLIT)])
         head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "x KVFlow ideal", "mean latency (s)",
-                "speed-up vs LRU", "speed-up vs KVFlow", "vs KVFlow ideal", "p99 latency (s)", "mean TTFT (s)", "prefetch precision",
+                "speed-up vs LRU", "speed-up vs KVFlow", "vs KVFlow ideal", "p99 latency (s)", "mean TTFT (s)",
+                "prefetch precision",
                 "reuse (GPU + host)", "recomputed", "upper bound", "gap closed",
                 *(f"{part} (s/wf)" for part in TIME_SPLIT)]
         seeds = group[0].get("seeds") or [group[0].get("seed")]

@@ -46,7 +46,8 @@ from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive", "kvflow_nolae": "aggressive"}
+DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
+                    "kvflow_nolae": "aggressive"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 

@@ -7,7 +7,8 @@ locked while the request runs; prompt + output are inserted when it finishes (SG
 both). Scheduling follows SGLang's defaults: FCFS admission while KV memory allows (the prompt's
 missed tokens and the output are reserved up front), prefill iterations of at most
 `max_prefill_tokens` (chunked prefill) take priority over decode iterations, decode runs the
-whole running batch one token per iteration. Between events, identical decode iterations are
+whole running batch one token per iteration (`sim.scheduling=program_fcfs`: admission by the
+workflow's start instead, Continuum's program-level FCFS). Between events, identical decode iterations are
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
@@ -480,8 +481,9 @@ class Server:
                     break
                 continue
             tree.load_back(path)
-            self.policy.on_prefetched(path, tag)
-            tree.refresh_many(path)
+            if self.prefetch.policy_driven:  # kvflow holds what it loaded: path[0]'s priority changed
+                self.policy.on_prefetched(path, tag)
+                tree.refresh(path[0])
             if self.decisions is not None:
                 self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
