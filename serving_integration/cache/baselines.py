@@ -329,7 +329,6 @@ class Continuum(_LedgerPolicy):
     docs/baselines/continuum.md), pinning only where that beats the hold cost."""
 
     name = "continuum"
-    served_by = "simulator"
 
     def __init__(self, ledger: WorkflowLedger, hold_cost: float = ContinuumConfig.hold_cost,
                  max_ttl_s: float = ContinuumConfig.max_ttl_s, ttl_estimator: str = ContinuumConfig.ttl_estimator):

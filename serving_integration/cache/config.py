@@ -119,6 +119,10 @@ class ContinuumConfig:
     def __post_init__(self):
         check(self)
 
+    def continuum_options(self) -> dict:
+        """The keyword arguments of baselines.Continuum (also from a class that adds fields to these)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ContinuumConfig)}
+
 
 @dataclass(frozen=True)
 class TlruConfig:

@@ -4,7 +4,7 @@
 
 What it registers:
   * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
-  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow_ideal`, `kvflow_nolae` (strategies.py, wrapping
+  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow_ideal`, `kvflow_nolae`, `continuum` (strategies.py, wrapping
     cache/policies.py): into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the
     `--radix-eviction-policy` choices, with SGLang's own strategies its CLI leaves out (fifo, mru,
     filo), so that the launcher passes each of SGLang's policies by its own flag;
@@ -136,6 +136,7 @@ def after_next_batch(plan, scheduler, *args, **kwargs):
     runtime = _runtime(scheduler)
     if runtime is None:
         return
+    runtime.attach_cache(scheduler.tree_cache)
     runtime.on_scheduler_step()
     prefetcher = _prefetcher(runtime, scheduler.tree_cache)
     if prefetcher is not None:

@@ -37,8 +37,8 @@ import torch
 from data.atomic import atomic_file
 from data.errors import ConfigError
 from data.knobs import above, at_least, knob, nonempty, one_of, shown
-from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, OnlineBackoffConfig, \
-    PbkvConfig
+from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, ContinuumConfig, KvflowConfig, \
+    OnlineBackoffConfig, PbkvConfig
 from serving_integration.cache.policies import PLUGIN_POLICIES, STEP_GRAPH_POLICIES, LifecycleLRU, Prefetch, \
     WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tell_finished
@@ -47,14 +47,14 @@ from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
-                    "kvflow_nolae": "aggressive"}
+                    "kvflow_nolae": "aggressive", "continuum": "none"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 
 
 @dataclass(frozen=True)
-class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
-    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow_ideal policies: the
+class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfig):
+    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae, kvflow_ideal and continuum policies: the
     policies' own knobs (serving_integration/cache/config.py, the simulator reads the same classes;
     `horizon` is K of kvflow_ideal's step graph, a checkpoint brings its own) plus the server-only ones
     below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
@@ -78,6 +78,7 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
                                    "flight is retired (counted, logged)", at_least(1))
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
+    prefill_tokens_per_s: float = knob(10000.0, "continuum: prefill speed its TTL's reload cost assumes", above(0))
 
     def __post_init__(self):
         super().__post_init__()
@@ -297,8 +298,11 @@ class WorkflowRuntime:
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
         options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
-                   config.trust_options(config.trust) if policy_name == "pbkv" else {})
+                   config.trust_options(config.trust) if policy_name == "pbkv" else
+                   config.continuum_options() if policy_name == "continuum" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
+        self.pool_tokens: int | None = None  # the GPU pool's size, read at the first scheduler step
+        self.call_paths: OrderedDict[Any, list[int]] = OrderedDict()  # rid -> its path (continuum's pin)
         self.fallback = LifecycleLRU(self.ledger)
         self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
         self.predictor = GuardedPredictor(source, self.stats, config.predictor_timeout_s) if source else None
@@ -361,8 +365,12 @@ class WorkflowRuntime:
         if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
         wf = self._live(tag)
+        self.call_paths[req.rid] = list(path_node_ids)
+        while len(self.call_paths) > MAX_REMEMBERED_REQUESTS:
+            self.call_paths.popitem(last=False)
         if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
             wf.running.add(req.rid)
+            self.policy.on_time(self.clock())  # continuum: the clock its tool times are read from
             if self.policy.observe_call(wf.id, tag.agent):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
         for node_id in path_node_ids:
@@ -387,6 +395,9 @@ class WorkflowRuntime:
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
+        self.policy.on_time(self.clock())  # continuum: pin the call's cache through its tool call
+        self.policy.on_call_finished(wf.id, tag.agent, self.call_paths.pop(req.rid, []),
+                                     len(req.origin_input_ids) + len(req.output_ids), not tag.workflow_end)
         if tag.workflow_end:
             self.end_workflow(wf.id)
         else:
@@ -431,7 +442,18 @@ class WorkflowRuntime:
 
     # ---------------------------------------------------------------- scheduler steps
 
+    def attach_cache(self, cache) -> None:
+        """The radix cache's GPU pool, read once: continuum's TTL weighs memory by its share of it.
+        SGLang builds its eviction heap anew on every pass, so a pin's change needs no refresh."""
+        if self.pool_tokens is not None:
+            return
+        size = getattr(getattr(cache, "token_to_kv_pool_allocator", None), "size", None)
+        if isinstance(size, int) and size > 0:
+            self.pool_tokens = size
+            self.policy.attach(size, lambda new, cached: new / self.config.prefill_tokens_per_s)
+
     def on_scheduler_step(self) -> None:
+        self.policy.on_time(self.clock())  # continuum: expired pins
         self.run_predictions()
         self.retire_silent_workflows()
         self.maybe_write_stats()

@@ -62,8 +62,15 @@ class KVFlowNoLifecycleStrategy(WorkflowEvictionStrategy):
     policy_name = "kvflow_nolae"
 
 
+class ContinuumStrategy(WorkflowEvictionStrategy):
+    """Continuum's tool-call TTL pin: a program's cache pinned through its tool call, then LRU."""
+
+    policy_name = "continuum"
+
+
 STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
-    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy, KVFlowNoLifecycleStrategy)
+    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy, KVFlowNoLifecycleStrategy,
+                                     ContinuumStrategy)
 }
 
 

@@ -157,8 +157,8 @@ def three_workflows(serving):
 def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pbkv"]
     assert ep.value == "serving_integration.server.plugin:register"
-    for name in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae"):  # undo the module fixture's load_plugins,
-        _EVICTION_POLICY_FACTORIES.pop(name)                               # then load the entry point
+    for name in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "continuum"):  # undo the module fixture's
+        _EVICTION_POLICY_FACTORIES.pop(name)                                            # load_plugins, then load
         RADIX_EVICTION_POLICY_CHOICES.remove(name)
     for name in ("fifo", "mru", "filo"):  # SGLang's own, which the plugin adds to the flag's choices
         RADIX_EVICTION_POLICY_CHOICES.remove(name)
@@ -253,6 +253,27 @@ def test_adaptive_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoin
     always.serve(prompt(10) + [1, 2, 3], [4], tag("W", "b", step=1))
     three_workflows(always)
     assert always.runtime.policy.trusted and always.eviction_order() == ["C", "B", "A"]
+
+
+def test_continuum_pins_a_programs_cache_through_its_tool_call_in_sglangs_cache():
+    """A's second call finishes with a tool call to follow: pinned for the TTL its cost model gives
+    (2 s, the one tool time seen), so B's newer cache goes first; once the TTL has passed, LRU again."""
+    for steps_at, order in ((3.0, ["B", "A"]), (5.0, ["A", "B"])):
+        serving = Serving("continuum", {"prefill_tokens_per_s": 10.0})
+        now = [0.0]
+        serving.runtime.clock = lambda: now[0]
+        serving.step()  # the plugin reads the GPU pool's size (256 tokens)
+        assert serving.runtime.pool_tokens == 256
+        serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")  # no tool time seen yet: no pin
+        assert not serving.runtime.policy.pins
+        now[0] = 2.0
+        serving.serve(prompt(100) + [1, 2, 3], [4], tag("A", "a", step=1), label="A")
+        assert serving.runtime.policy.tool_times == {"a": [2.0]} and serving.runtime.policy.pins["A"][0] == 4.0
+        now[0] = 3.0
+        serving.serve(prompt(200), [1, 2], tag("B", "b", end=True), label="B")  # B's last call: no pin
+        now[0] = steps_at
+        serving.step()
+        assert serving.eviction_order() == order
 
 
 def test_lifecycle_lru_evicts_retired_then_lru():
