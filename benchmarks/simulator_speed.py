@@ -63,7 +63,9 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
     sequences = [[c.agent for c in w.calls] for w in workflows]
     names = vocabulary(a for s in sequences for a in s)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {},
-            "kvflow": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "aggressive"},
+            "kvflow_ideal": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "aggressive"},
+            "kvflow": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "kvflow"},
+            "lru_prefetch": {"prefetch": "last_call"}, "continuum": {},
             "pbkv": {"predictions": PerfectSource(names, 3)},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
             "oracle": {"predictions": PerfectSource(names, 3)}}
@@ -254,7 +256,7 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: 
         by = {m["policy"]: m for m in speed["policies"]}
         figures += [{"name": f"simulated calls/s, {name} ({speed['workload']}, {speed['calls']:,} calls)",
                      "value": f"{m['calls_per_s']:,.0f}"} for name, m in by.items()
-                    if name in ("lru", "pbkv", "kvflow") or name.startswith("pbkv/")]
+                    if name in ("lru", "pbkv", "kvflow", "kvflow_ideal") or name.startswith("pbkv/")]
         slowest = max(speed["policies"], key=lambda m: m["bound_s"])
         figures.append({"name": f"upper bound's LP solve ({slowest['bound_intervals']:,} intervals, HiGHS)",
                         "value": f"{slowest['bound_s']:.2f} s (largest of the policies' runs)"})

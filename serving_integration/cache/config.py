@@ -1,7 +1,7 @@
 """The cache policies' knobs, one dataclass per config group: the one place each default, type,
 range and help line is written. The simulator (evaluate.py's groups `pbkv`, `kvflow`, `tlru`)
 and the SGLang plugin (`server/runtime.py` PluginConfig, which adds its server-only fields to
-these) read the same classes; the policy classes in policies.py take their defaults from them.
+these) read the same classes (evaluate.py's `continuum` group too); the policy classes in policies.py take their defaults from them.
 
 Importing this module registers the groups' schemas with Hydra's ConfigStore (`pbkv/schema`, ...):
 conf/pbkv/default.yaml and its siblings start their defaults list with `- schema`, so an unknown
@@ -20,6 +20,7 @@ from data.knobs import above, at_least, at_most, check, each, knob, nonempty, on
 
 TRUST_MODES = ("adaptive", "always")
 PREFETCH_MODES = ("none", "conservative", "aggressive")
+POLICY_PREFETCH_MODES = ("kvflow", "last_call")  # a baseline's own prefetch order (cache/baselines.py)
 NOISE_KINDS = ("uniform", "adversarial")
 
 
@@ -75,12 +76,52 @@ class PbkvConfig(TrustConfig):
 
 @dataclass(frozen=True)
 class KvflowConfig:
-    """conf/kvflow: KVFlow (arXiv 2507.07400), its steps-to-execution order."""
+    """conf/kvflow: KVFlow (arXiv 2507.07400). `kvflow` runs it as its public code does
+    (github.com/PanZaifeng/KVFlow, whose server_args.py defaults these are); `kvflow_ideal` and
+    `kvflow_nolae` are the idealised steps-to-execution order (docs/baselines/kvflow.md)."""
 
-    hold_step: int = knob(3, "steps-to-execution given to agents outside the step graph", at_least(0))
+    hold_step: int = knob(4, "kvflow: the fork's --evict-pri-level: eviction passes for hold priorities "
+                          "hold_step - 1 ... 1, then everything", at_least(1))
+    load_ahead_step: int = knob(2, "kvflow: the fork's --load-ahead-step: prefetch the last nodes of agents "
+                                "due in steps 0 ... this", at_least(0))
+    holding: bool = knob(True, "kvflow: the fork's --enable-holding (its default is off: eviction in DFS order "
+                         "alone; its paper's runs hold)")
+    agent_key: str = knob("role", "kvflow: what the fork's global agent id names: role (an agent's name, one id "
+                          "across workflows, as for agents with fixed prompts) or workflow (one id per workflow's agent)",
+                          one_of(("role", "workflow")))
+    ideal_hold_step: int = knob(3, "kvflow_ideal, kvflow_nolae: steps-to-execution given to agents outside the "
+                                "step graph", at_least(0))
 
     def __post_init__(self):
         check(self)
+
+    def options(self, policy: str) -> dict:
+        """The keyword arguments of one KVFlow variant's policy class."""
+        if policy == "kvflow":
+            return {"hold_step": self.hold_step, "load_ahead_step": self.load_ahead_step, "holding": self.holding,
+                    "agent_key": self.agent_key}
+        return {"hold_step": self.ideal_hold_step}
+
+
+CONTINUUM_TTL = ("cdf", "mean")
+
+
+@dataclass(frozen=True)
+class ContinuumConfig:
+    """conf/continuum: Continuum's tool-call TTL pin (arXiv 2511.02230, docs/baselines/continuum.md)."""
+
+    hold_cost: float = knob(1.0, "seconds of other programs' delay charged per second a program holds the whole "
+                            "GPU (scaled by its share): the TTL's memory cost", above(0))
+    max_ttl_s: float = knob(300.0, "longest pin", above(0))
+    ttl_estimator: str = knob("cdf", "cdf: the paper's expected-benefit TTL over the empirical tool-time CDF; mean: "
+                              "its public code's (the mean tool time seen)", one_of(CONTINUUM_TTL))
+
+    def __post_init__(self):
+        check(self)
+
+    def continuum_options(self) -> dict:
+        """The keyword arguments of baselines.Continuum (also from a class that adds fields to these)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ContinuumConfig)}
 
 
 @dataclass(frozen=True)
@@ -167,7 +208,8 @@ class RouterConfig:
 
 
 def register_schemas() -> None:
-    for group, cls in (("pbkv", PbkvConfig), ("kvflow", KvflowConfig), ("tlru", TlruConfig)):
+    for group, cls in (("pbkv", PbkvConfig), ("kvflow", KvflowConfig), ("tlru", TlruConfig),
+                       ("continuum", ContinuumConfig)):
         register(group, cls)
 
 

@@ -11,7 +11,9 @@ Policies (docs/simulator.md; PBKV, arXiv 2605.06472):
     lru        last access time                                     (SGLang's default)
     lfu        (hit count, last access)                             (SGLang's)
     tlru       tail-optimised LRU: tokens past a conversation's TTFT budget first (SGLang's)
-    kvflow     larger steps-to-execution first, from the agent step graph (KVFlow)
+    kvflow_ideal  idealised KVFlow: larger steps-to-execution first, from the agent step graph;
+               retired cache counts as never needed (KVFlow as its code runs it: `kvflow`,
+               baselines.py, with SGLang's other strategies and Continuum)
     pbkv_lae   lifecycle-aware: retired cache first, then LRU
     pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties.
                trust="adaptive" (default) measures the predictions online and orders as
@@ -49,8 +51,8 @@ from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 import torch
 
 from data.knobs import build
-from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, PbkvConfig, TlruConfig, \
-    TrustConfig
+from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
+    PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import Folded, fold
 
 INF = math.inf
@@ -393,6 +395,46 @@ class EvictionPolicy:
         caller's heaps must be rebuilt)."""
         return False
 
+    # What the baselines of baselines.py record besides the ledger (no-ops for the others).
+
+    def on_cached(self, node: CacheNode | None, workflow: str, agent: str, finished: bool) -> None:
+        """A call's path ends at `node`: when the call is matched (finished=False) and when its KV
+        is cached (finished=True)."""
+
+    def on_split(self, prefix: CacheNode, suffix: CacheNode) -> None:
+        """A node split: `prefix` is the new parent of `suffix` (which keeps its id)."""
+
+    def forget(self, node: CacheNode) -> None:
+        """A node left the tree."""
+
+    def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> bool:
+        """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph);
+        True when every node's priority changed at once."""
+        return False
+
+    def attach(self, gpu_tokens: int, prefill_s: Callable[[int, int], float]) -> None:
+        """The server's GPU capacity and prefill time (new tokens, cached tokens) -> seconds."""
+
+    def on_call_finished(self, workflow: str, agent: str, node_ids: Sequence[int], context_tokens: int,
+                         more_calls: bool) -> list[int]:
+        """A call finished (a tool call follows when more_calls); the nodes whose priority changed."""
+        return []
+
+    def on_time(self, now: float) -> list[int]:
+        """Time moved to `now` (before an eviction); the nodes whose priority changed."""
+        return []
+
+    def prefetch_order(self, by_id: dict, idle_workflows) -> list[tuple]:
+        """Under a policy-driven prefetch mode (Prefetch.policy_driven): (node off the GPU, tag) to
+        load, in order."""
+        return []
+
+    def on_prefetched(self, path: list, tag) -> None:
+        """A prefetch candidate's path was loaded (path[0] the topmost node)."""
+
+    def on_prefetch_failed(self) -> None:
+        """A candidate did not fit (with Prefetch.stops_at_failure: the round ends)."""
+
 
 class LRU(EvictionPolicy):
     name = "lru"
@@ -501,13 +543,15 @@ class PBKV(_LedgerPolicy):
 
 
 class KVFlow(_LedgerPolicy):
-    """Larger steps-to-execution first (retired cache counts as never needed); a parent inherits
-    the largest value of its evicted children; LRU breaks ties."""
+    """Idealised KVFlow (`kvflow_ideal`): larger steps-to-execution first (retired cache counts as
+    never needed); a parent inherits the largest value of its evicted children; LRU breaks ties.
+    Stronger than its public code in some ways and different in others (docs/baselines/kvflow.md;
+    that code is `kvflow`, baselines.KVFlowFork)."""
 
-    name = "kvflow"
+    name = "kvflow_ideal"
     uses_predictions = True
 
-    def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.hold_step):
+    def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.ideal_hold_step):
         super().__init__(ledger)
         self.hold_step = hold_step
         self._inherited: dict[int, float] = {}
@@ -551,10 +595,26 @@ class Oracle(_LedgerPolicy):
 
 # One registry: every other list of policy names (the simulator's, evaluate's, the plugin's and the
 # launcher's) derives from it. `served_by`: who runs the policy in a real server: "sglang" ships it,
-# "plugin" is this project's SGLang plugin, "simulator" needs the real future (clairvoyant).
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)}
-PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
-SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
+# "plugin" is this project's SGLang plugin, "simulator": only the simulator (the oracle needs the
+# real future; the plugin does not carry kvflow's and lru_prefetch's own prefetch yet).
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+PLUGIN_POLICIES: tuple[str, ...] = ()
+SGLANG_POLICIES: tuple[str, ...] = ()
+STEP_GRAPH_POLICIES: tuple[str, ...] = ()  # the plugin's KVFlows (a step graph drives them)
+
+
+def register(*classes: type[EvictionPolicy]) -> None:
+    """Add policies to the one registry and derive the lists of who serves them. The baselines of
+    baselines.py register themselves; importing the package (cache/__init__.py) imports them, so
+    every `from serving_integration.cache.policies import ...` sees the whole registry."""
+    global PLUGIN_POLICIES, SGLANG_POLICIES, STEP_GRAPH_POLICIES
+    POLICIES.update((cls.name, cls) for cls in classes)
+    PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
+    SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
+    STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if issubclass(POLICIES[name], KVFlow))
+
+
+register(LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)
 
 
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:
@@ -583,9 +643,14 @@ class Prefetch:
                   the one-step (k = 1) score.
     aggressive:   the ablation (and KVFlow's way): may evict any unlocked cache, in eviction
                   order, to make room; same bandwidth budget and ranking.
+
+    The policy's own order (POLICY_PREFETCH_MODES; baselines.py, evaluate.py runs each with its own): the
+    candidates and their order come from `policy.prefetch_order`, in the same time and budget.
+    kvflow:       KVFlow's: may evict, and stops at the first candidate that does not fit.
+    last_call:    lru_prefetch's: the conservative mode's room (free space and retired cache).
     """
 
-    MODES = PREFETCH_MODES
+    MODES = PREFETCH_MODES + POLICY_PREFETCH_MODES
 
     def __init__(self, mode: str, ledger: WorkflowLedger):
         if mode not in self.MODES:
@@ -596,8 +661,21 @@ class Prefetch:
     def enabled(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def uses_predictions(self) -> bool:
+        """Ranked by the predictions (kvflow's order reads its step graph through the policy)."""
+        return self.mode in ("conservative", "aggressive")
+
+    @property
+    def policy_driven(self) -> bool:
+        return self.mode in POLICY_PREFETCH_MODES
+
+    @property
+    def stops_at_failure(self) -> bool:
+        return self.mode == "kvflow"
+
     def may_evict(self, node: CacheNode) -> bool:
-        return self.mode == "aggressive" or self.ledger.is_retired(node.id)
+        return self.mode in ("aggressive", "kvflow") or self.ledger.is_retired(node.id)
 
     def rank(self, candidates: list) -> list:
         """Candidates (nodes) with a positive one-step score, best first; ties by node id."""

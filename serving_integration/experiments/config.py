@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from data import CONF_DIR
 from data.errors import ConfigError
 from data.knobs import at_least, build, check, each, knob, nonempty, one_of, probability, register, unique
-from serving_integration.cache.config import PREFETCH_MODES, KvflowConfig, NoiseConfig, OnlineBackoffConfig, \
-    PbkvConfig, TlruConfig
+from serving_integration.cache.config import PREFETCH_MODES, ContinuumConfig, KvflowConfig, NoiseConfig, \
+    OnlineBackoffConfig, PbkvConfig, TlruConfig
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.cost_model import CostModel
 
@@ -79,7 +79,8 @@ class EvaluateConfig:
                       one_of(SPLITS))
     policies: list = knob(None, "the policies replayed (experiments/evaluation.py)", nonempty,
                           each(one_of(evaluated_policies)), unique,
-                          factory=lambda: ["lru", "lfu", "tlru", "kvflow", "pbkv_lae", "pbkv", "pbkv_perfect", "oracle"])
+                          factory=lambda: ["lru", "lfu", "tlru", "kvflow", "kvflow_ideal", "continuum", "lru_prefetch",
+                                                  "pbkv_lae", "pbkv", "pbkv_perfect", "oracle"])
     prefetch: list = knob(None, "prefetch modes of pbkv, pbkv_perfect and oracle (PBKV as the paper runs it: "
                           "conservative)", nonempty, each(one_of(PREFETCH_MODES)), unique,
                           factory=lambda: ["none", "conservative"])
@@ -150,6 +151,7 @@ class EvaluateSchema(EvaluateConfig):
     pbkv: Any = None
     tlru: Any = None
     kvflow: Any = None
+    continuum: Any = None
     kv: Any = None
     wandb: Any = None
 
@@ -165,12 +167,14 @@ class Settings:
     pbkv: PbkvConfig
     tlru: TlruConfig
     kvflow: KvflowConfig
+    continuum: ContinuumConfig
     kv: KvConfig
     wandb: WandbConfig
 
 
 GROUPS = {"predictor": PredictorConfig, "sim": SimConfig, "cost_model": CostModel, "pbkv": PbkvConfig,
-          "tlru": TlruConfig, "kvflow": KvflowConfig, "kv": KvConfig, "wandb": WandbConfig}
+          "tlru": TlruConfig, "kvflow": KvflowConfig, "continuum": ContinuumConfig, "kv": KvConfig,
+          "wandb": WandbConfig}
 
 
 def settings(cfg: DictConfig) -> Settings:

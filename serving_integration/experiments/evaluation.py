@@ -4,11 +4,18 @@ A row is one (workload, policy, prefetch, gpu_tokens, concurrency, noise) run of
 the same workflows and seed. The policies (`policies=[...]`):
 
     lru, lfu, tlru    SGLang's built-in orders, no predictions
-    kvflow            KVFlow (arXiv 2507.07400): its steps-to-execution order from the Agent Step
-                      Graph of the workflow's definition (the graph a generated dataset declares in
-                      meta.json; for imported traces, every transition seen in the train split), in
-                      two rows: with its own (aggressive) prefetch for the next agents, and with none
-                      (to compare eviction orders at equal prefetch)
+    fifo, mru, filo,  SGLang's other strategies (0.5.23), no predictions (cache/baselines.py)
+    slru, priority
+    kvflow            KVFlow (arXiv 2507.07400) as its public code runs it (docs/baselines/kvflow.md):
+                      tiered hold priorities from the Agent Step Graph of the workflow's definition
+                      (the graph a generated dataset declares in meta.json; for imported traces, every
+                      transition seen in the train split), in two rows: with its own prefetch
+                      (prefetch=kvflow: the last nodes of agents due in steps 0-2) and with none (to
+                      compare eviction orders at equal prefetch)
+    kvflow_ideal      the idealised KVFlow (steps-to-execution per workflow, retired cache first), and
+    kvflow_nolae      the same without the lifecycle signal; both with aggressive prefetch and none
+    lru_prefetch      LRU, prefetching each waiting workflow's own last node (prefetch=last_call)
+    continuum         Continuum's tool-call TTL pin (arXiv 2511.02230; docs/baselines/continuum.md)
     pbkv_lae          lifecycle-aware LRU: retired cache first
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
@@ -62,6 +69,7 @@ from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, 
                                                    PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.config import PredictorConfig, Settings, settings
+from serving_integration.experiments.presentation import OWN_PREFETCH
 from serving_integration.experiments.rows import add_gap_closed, aggregate_seeds, make_row
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.engine import simulate
@@ -167,7 +175,7 @@ class Replay:
                    dataset_path=ds.path, system_prompts=ds.system_prompts(None))
 
 
-KVFLOW_PREFETCH = ("aggressive", "none")  # its own, and none (eviction compared at equal prefetch)
+KVFLOW = ("kvflow", "kvflow_ideal", "kvflow_nolae")
 
 
 def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
@@ -176,10 +184,14 @@ def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
     pbkv, p = knobs.pbkv, knobs.predictor
     perfect = PerfectSource(replay.agent_names, pbkv.horizon)
     for name in knobs.run.policies:
-        if name == "kvflow":
-            for mode in KVFLOW_PREFETCH:
-                yield name, mode, "step_graph", dict(policy="kvflow", policy_options=dataclasses.asdict(knobs.kvflow),
+        if name in KVFLOW:
+            for mode in (OWN_PREFETCH[name], "none"):  # its own, and none (eviction at equal prefetch)
+                yield name, mode, "step_graph", dict(policy=name, policy_options=knobs.kvflow.options(name),
                                                      prefetch=mode, predictions=replay.step_graph)
+        elif name == "lru_prefetch":  # LRU and plain prefetch of each waiting workflow's last node
+            yield name, OWN_PREFETCH[name], "none", dict(policy=name, prefetch=OWN_PREFETCH[name])
+        elif name == "continuum":
+            yield name, "none", "none", dict(policy=name, policy_options=dataclasses.asdict(knobs.continuum))
         elif name in PREDICTIVE:
             source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound

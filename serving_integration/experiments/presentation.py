@@ -7,16 +7,21 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+# a baseline's own prefetch: its rows are compared with it, and its label names only another mode
+OWN_PREFETCH = {"kvflow": "kvflow", "kvflow_ideal": "aggressive", "kvflow_nolae": "aggressive",
+                "lru_prefetch": "last_call"}
+
+
 def row_label(r: dict) -> str:
     """The one name of a row in tables, plots and W&B: policy[+prefetch][ (predictor)][ @routing xN], or
     kv/LAYOUT; the routing policy and replica count are named when there is more than one replica.
-    The prefetch mode is named where it is a choice (not KVFlow's own aggressive one, not 'none'
-    except for KVFlow without its prefetch)."""
+    The prefetch mode is named where it is a choice (not a baseline's own, OWN_PREFETCH; not 'none'
+    except for such a baseline without its prefetch)."""
     if r["comparison"] == "kv":
         return f"kv/{r['layout']}"
     name = r["policy"]
-    if r["policy"] == "kvflow":
-        if r["prefetch"] != "aggressive":
+    if r["policy"] in OWN_PREFETCH:
+        if r["prefetch"] != OWN_PREFETCH[r["policy"]]:
             name += f"+{r['prefetch']}"
     elif r["prefetch"] != "none":
         name += f"+{r['prefetch']}"

@@ -27,7 +27,7 @@ from data.cli import compose_config
 from data.errors import ConfigError, run_reported
 from data.knobs import build as build_knobs, check, knob, register, shown
 from serving_integration.cache.metrics import TIME_SPLIT
-from serving_integration.experiments.presentation import row_label as label
+from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
 from serving_integration.experiments.rows import ROW_LABELS, SETTING
 
 DYNAMIC = ("hover", "swebench", "who_and_when")
@@ -40,6 +40,8 @@ PAPER = {
     "lae_hit_vs_lru": "up to 1.66x",
     "static_hit_vs_kvflow": "1.39x (FinanceBench)",
     "static_latency_vs_kvflow": "1.26x (FinanceBench)",
+    "static_hit_vs_kvflow_ideal": "1.39x (FinanceBench; one KVFlow, which variant is not said)",
+    "static_latency_vs_kvflow_ideal": "1.26x (FinanceBench; one KVFlow, which variant is not said)",
     "hit_rates_point": "LRU 27.09%, lifecycle-only 44.91%, PBKV 69.10% GPU hit rate (Qwen3-32B)",
     "noise": "at 20% noise conservative prefetch beats aggressive; at >= 30% aggressive is worse than none",
 }
@@ -163,7 +165,8 @@ def common_settings(keys: list[tuple], varying: list[str]) -> str:
 def setting_tables(rows: list[dict], split: str | None = None) -> str:
     """One table per setting of `split` (every split when None), settings sorted, each headed by what
     differs between them in words: every metric as mean ± 95% CI over the seeds (the value alone for
-    one seed); ratios against LRU and KVFlow (its own prefetch) paired by seed."""
+    one seed); ratios against LRU and both KVFlows (each with its own prefetch: kvflow as its public code
+    runs it, kvflow_ideal the idealised one) paired by seed."""
     groups = defaultdict(list)
     for r in rows:
         if is_main(r) and (split is None or split_of(r) == split):
@@ -174,7 +177,8 @@ def setting_tables(rows: list[dict], split: str | None = None) -> str:
     for key in keys:
         group = sorted(groups[key], key=lambda r: (plot_rank(r), label(r)))
         lru = next((r for r in group if r["policy"] == "lru"), None)
-        kvflow = next((r for r in group if r["policy"] == "kvflow" and r["prefetch"] == "aggressive"), None)
+        kvflow, ideal = (next((r for r in group if r["policy"] == p and r["prefetch"] == OWN_PREFETCH[p]), None)
+                         for p in ("kvflow", "kvflow_ideal"))
 
         def vs(base, r, field, higher):
             return pm(paired_ratios(r, base, field, higher)) if base else "n/a"
@@ -182,15 +186,17 @@ def setting_tables(rows: list[dict], split: str | None = None) -> str:
         body = []
         for r in group:
             body.append([label(r), cell(r, "hit_rate", "{:.1%}"), vs(lru, r, "hit_rate", True),
-                         vs(kvflow, r, "hit_rate", True), cell(r, "mean_workflow_latency_s"),
-                         vs(lru, r, "mean_workflow_latency_s", False), vs(kvflow, r, "mean_workflow_latency_s", False),
+                         vs(kvflow, r, "hit_rate", True), vs(ideal, r, "hit_rate", True),
+                         cell(r, "mean_workflow_latency_s"), vs(lru, r, "mean_workflow_latency_s", False),
+                         vs(kvflow, r, "mean_workflow_latency_s", False), vs(ideal, r, "mean_workflow_latency_s", False),
                          cell(r, "p99_workflow_latency_s"), cell(r, "mean_ttft_s", "{:.3f}"),
                          fmt(r["prefetch_precision"], "{:.0%}"),
                          cell(r, "reuse_rate", "{:.1%}"), cell(r, "recompute_rate", "{:.1%}"),
                          cell(r, "bound_hit_rate", "{:.1%}"), cell(r, "gap_closed"),
                          *(cell(r, f"time_{part}_s") for part in TIME_SPLIT)])
-        head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "mean latency (s)", "speed-up vs LRU",
-                "speed-up vs KVFlow", "p99 latency (s)", "mean TTFT (s)", "prefetch precision",
+        head = ["policy", "GPU hit rate", "x LRU", "x KVFlow", "x KVFlow ideal", "mean latency (s)",
+                "speed-up vs LRU", "speed-up vs KVFlow", "vs KVFlow ideal", "p99 latency (s)", "mean TTFT (s)",
+                "prefetch precision",
                 "reuse (GPU + host)", "recomputed", "upper bound", "gap closed",
                 *(f"{part} (s/wf)" for part in TIME_SPLIT)]
         seeds = group[0].get("seeds") or [group[0].get("seed")]
@@ -213,7 +219,6 @@ SETTING_NOTE = (
 
 # a configuration of a method: the knobs tuned on the validation split (memory point, K, gamma, prefetch)
 MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing")
-OWN_PREFETCH = {"kvflow": "aggressive"}  # a baseline compared with its own prefetch; others without
 
 
 def per_seed(r: dict, field: str) -> list[float]:
@@ -351,13 +356,20 @@ def claims_table(rows) -> str:
         "lae_hit_vs_lru": claim(rows, "pbkv_lae", "lru", DYNAMIC, "hit_rate"),
         "static_hit_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "hit_rate"),
         "static_latency_vs_kvflow": claim(rows, "pbkv", "kvflow", STATIC, "mean_workflow_latency_s", higher=False),
+        "static_hit_vs_kvflow_ideal": claim(rows, "pbkv", "kvflow_ideal", STATIC, "hit_rate"),
+        "static_latency_vs_kvflow_ideal": claim(rows, "pbkv", "kvflow_ideal", STATIC, "mean_workflow_latency_s",
+                                                higher=False),
         "hit_rates_point": hit_rates_point(rows),
         "noise": noise_claim(rows),
     }
     names = {"hit_vs_lru": "PBKV GPU hit rate vs LRU", "latency_vs_lru": "PBKV latency vs LRU",
              "lae_hit_vs_lru": "lifecycle-only (pbkv_lae) hit rate vs LRU",
-             "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow (its own prefetch)",
-             "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow (its own prefetch)",
+             "static_hit_vs_kvflow": "static workload: PBKV hit rate vs KVFlow as its public code runs it (its own "
+                                     "prefetch)",
+             "static_latency_vs_kvflow": "static workload: PBKV latency vs KVFlow as its public code runs it",
+             "static_hit_vs_kvflow_ideal": "static workload: PBKV hit rate vs the idealised KVFlow (kvflow_ideal, "
+                                           "aggressive prefetch)",
+             "static_latency_vs_kvflow_ideal": "static workload: PBKV latency vs the idealised KVFlow",
              "hit_rates_point": "LRU / lifecycle-only / PBKV hit rates at one memory point",
              "noise": "prediction noise and prefetch"}
     return md_table(["claim", "paper", "ours: test split, mean ± 95% CI over seeds, knobs chosen on val"],
@@ -499,13 +511,14 @@ ROBUST_NOTE = (
 
 # -------------------------------------------------------------------- plots
 
-MAX_SERIES = 6  # lines per plot; the other policies are in the tables below it
+MAX_SERIES = 8  # lines per plot; the other policies are in the tables below it
 
 
 def plot_rank(r: dict) -> int:
     """Which policies a plot draws first: the baselines, then PBKV and the references."""
-    order = [("lru", "none"), ("kvflow", "aggressive"), ("pbkv_lae", "none"), ("pbkv", "none"),
-             ("pbkv_perfect", "none"), ("oracle", "none"), ("pbkv", "conservative")]
+    order = [("lru", "none"), ("kvflow", "kvflow"), ("kvflow_ideal", "aggressive"), ("pbkv_lae", "none"),
+             ("pbkv", "none"), ("continuum", "none"), ("lru_prefetch", "last_call"), ("pbkv_perfect", "none"),
+             ("oracle", "none"), ("pbkv", "conservative")]
     key = (r["policy"], r["prefetch"])
     rank = order.index(key) if key in order else len(order)
     always = r["policy"] == "pbkv" and r.get("trust") == "always"  # the paper's variant, after adaptive
@@ -837,13 +850,15 @@ def headline_picks(rows) -> dict[str, tuple]:
 
 def headline_table(rows) -> str:
     """One line per workload, test split, mean ± 95% CI over the seeds (ratios paired by seed): PBKV
-    against LRU, against KVFlow (its own prefetch) and against the upper bound on PBKV's own request
+    against LRU, against both KVFlows (kvflow as its public code runs it, kvflow_ideal; each with its
+    own prefetch) and against the upper bound on PBKV's own request
     sequence, on GPU hit rate, recomputed prompt tokens and mean workflow latency."""
     index = index_rows(single_server(rows), {r["workload"].split("-")[0] for r in rows})
     body = []
     for workload, (match, prefetch, how) in sorted(headline_picks(rows).items()):
         pbkv, lru = index[("test", match, "pbkv", prefetch)], index[("test", match, "lru", "none")]
-        kvflow = index.get(("test", match, "kvflow", "aggressive"))
+        kvflow = index.get(("test", match, "kvflow", OWN_PREFETCH["kvflow"]))
+        ideal = index.get(("test", match, "kvflow_ideal", OWN_PREFETCH["kvflow_ideal"]))
         at = dict(zip(MATCH, match))
 
         def versus(base, field, higher, spec="{:.2f}"):
@@ -855,15 +870,16 @@ def headline_table(rows) -> str:
         setting = (f"{tokens_text(at['gpu_tokens'])} GPU tokens, {at['concurrency']} live"
                    + (f", prefetch {prefetch}" if prefetch != "none" else "") + f", {n_seeds} seed{'s' * (n_seeds > 1)}")
         body.append([workload, setting, cell(pbkv, "hit_rate", "{:.1%}"), versus(lru, "hit_rate", True),
-                     versus(kvflow, "hit_rate", True), of_bound,
+                     versus(kvflow, "hit_rate", True), versus(ideal, "hit_rate", True), of_bound,
                      cell(pbkv, "recompute_rate", "{:.1%}"), cell(lru, "recompute_rate", "{:.1%}"),
                      cell(kvflow, "recompute_rate", "{:.1%}") if kvflow else "n/a",
                      cell(pbkv, "mean_workflow_latency_s"), versus(lru, "mean_workflow_latency_s", False),
-                     versus(kvflow, "mean_workflow_latency_s", False)])
+                     versus(kvflow, "mean_workflow_latency_s", False), versus(ideal, "mean_workflow_latency_s", False)])
     if not body:
         return "No workload with PBKV and LRU on the test split in these runs."
-    head = ["workload", "setting", "PBKV GPU hit rate", "x LRU", "x KVFlow", "of the bound",
-            "recomputed: PBKV", "LRU", "KVFlow", "PBKV latency (s)", "speed-up vs LRU", "vs KVFlow"]
+    head = ["workload", "setting", "PBKV GPU hit rate", "x LRU", "x KVFlow", "x KVFlow ideal", "of the bound",
+            "recomputed: PBKV", "LRU", "KVFlow", "PBKV latency (s)", "speed-up vs LRU", "vs KVFlow",
+            "vs KVFlow ideal"]
     return md_table(head, body)
 
 
@@ -871,7 +887,8 @@ HEADLINE_NOTE = (
     "Test split, mean ± 95% CI over the seeds (Student t; ratios paired by seed). The setting of each "
     "workload (GPU memory point, PBKV's prefetch mode) is the one where PBKV gained most GPU hit rate over "
     "LRU on the validation split; workloads run without a validation split show their smallest GPU size. "
-    "x LRU, x KVFlow: PBKV's GPU hit rate over theirs (KVFlow with its own prefetch); of the bound: PBKV's "
+    "x LRU, x KVFlow, x KVFlow ideal: PBKV's GPU hit rate over theirs (KVFlow as its public code runs it, "
+    "and the idealised kvflow_ideal, each with its own prefetch; docs/baselines/kvflow.md); of the bound: PBKV's "
     "hit rate over the highest any eviction policy can reach on PBKV's own requests (simulator/bound.py); "
     "recomputed: share of prompt tokens prefilled again; speed-up: their mean workflow latency over PBKV's.")
 

@@ -4,8 +4,10 @@
 
 What it registers:
   * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
-  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow` (strategies.py, wrapping cache/policies.py):
-    into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the `--radix-eviction-policy` choices;
+  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow_ideal`, `kvflow_nolae`, `continuum` (strategies.py, wrapping
+    cache/policies.py): into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the
+    `--radix-eviction-policy` choices, with SGLang's own strategies its CLI leaves out (fifo, mru,
+    filo), so that the launcher passes each of SGLang's policies by its own flag;
   * the tree core `pbkv_python` (SGLang's Python core + split/delete/evict notifications), and a
     hook on `select_tree_core_backend` that picks it whenever one of these policies is selected
     (the compiled Rust core accepts only built-in policy names);
@@ -67,7 +69,8 @@ def register() -> None:
 
     for name, strategy in STRATEGIES.items():
         _EVICTION_POLICY_FACTORIES.setdefault(name, strategy)
-    add_radix_eviction_policy_choices([n for n in STRATEGIES if n not in RADIX_EVICTION_POLICY_CHOICES])
+    add_radix_eviction_policy_choices([n for n in (*STRATEGIES, *_EVICTION_POLICY_FACTORIES)
+                                       if n not in RADIX_EVICTION_POLICY_CHOICES])
     if TREE_CORE_BACKEND not in registered_tree_core_backends():
         register_tree_core_backend(TREE_CORE_BACKEND, workflow_tree_core_factory)
     if _registered:
@@ -144,6 +147,7 @@ def after_next_batch(plan, scheduler, *args, **kwargs):
     runtime = _runtime(scheduler)
     if runtime is None:
         return
+    runtime.attach_cache(scheduler.tree_cache)
     runtime.on_scheduler_step()
     prefetcher = _prefetcher(runtime, scheduler.tree_cache)
     if prefetcher is not None:

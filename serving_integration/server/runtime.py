@@ -45,32 +45,35 @@ import torch
 from data.atomic import atomic_file
 from data.errors import ConfigError
 from data.knobs import above, at_least, knob, nonempty, one_of, shown
-from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, KvflowConfig, OnlineBackoffConfig, \
-    PbkvConfig
-from serving_integration.cache.policies import PLUGIN_POLICIES, LifecycleLRU, Prefetch, WorkflowLedger, make_policy
+from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, ContinuumConfig, KvflowConfig, \
+    OnlineBackoffConfig, PbkvConfig
+from serving_integration.cache.policies import PLUGIN_POLICIES, STEP_GRAPH_POLICIES, LifecycleLRU, Prefetch, \
+    WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow": "aggressive"}
+DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
+                    "kvflow_nolae": "aggressive", "continuum": "none"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 HIDDEN_COSTS = 4096  # per-request hidden-state costs kept for snapshot()'s summary
 
 
 @dataclass(frozen=True)
-class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
-    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae and kvflow policies: the
+class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfig):
+    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae, kvflow_ideal and continuum policies: the
     policies' own knobs (serving_integration/cache/config.py, the simulator reads the same classes;
-    `horizon` is K of kvflow's step graph, a checkpoint brings its own) plus the server-only ones
+    `horizon` is K of kvflow_ideal's step graph, a checkpoint brings its own) plus the server-only ones
     below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
     a value out of range fails there too (one line naming it)."""
 
     checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
-    step_graph_traces: Optional[str] = knob(None, "kvflow: dataset dir whose train split gives the step graph")
+    step_graph_traces: Optional[str] = knob(None, "kvflow_ideal, kvflow_nolae: dataset dir whose train split gives "
+                                           "the step graph")
     prefetch: Optional[str] = knob(None, "none | conservative | aggressive (null: pbkv conservative, pbkv_lae none, "
-                                   "kvflow aggressive)", one_of(PREFETCH_MODES))
+                                   "kvflow_ideal aggressive)", one_of(PREFETCH_MODES))
     predictor_device: str = knob("cpu", "torch device of the predictor", nonempty)
     predictor_timeout_s: Optional[float] = knob(0.05, "a prediction round slower than this falls back (null or 0: "
                                                 "no timeout, needed for TP > 1, see docs/serving.md)", at_least(0))
@@ -91,6 +94,7 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
                                              "hidden-state capture, whose flags the launcher adds)", at_least(0))
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
+    prefill_tokens_per_s: float = knob(10000.0, "continuum: prefill speed its TTL's reload cost assumes", above(0))
 
     def __post_init__(self):
         super().__post_init__()
@@ -272,11 +276,11 @@ class GuardedPredictor:
 
 
 def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
-    """pbkv: the train.py checkpoint; kvflow: the agent step graph of a trace dataset (the graph its
+    """pbkv: the train.py checkpoint; kvflow_ideal: the agent step graph of a trace dataset (the graph its
     meta.json declares, else its train split's transitions). A source
     that cannot be built is logged and counted; the policy then runs as lifecycle-aware LRU."""
     try:
-        if policy == "kvflow" and config.step_graph_traces:
+        if policy in STEP_GRAPH_POLICIES and config.step_graph_traces:
             from data import store
             from serving_integration.cache.predictions import AgentStepGraph
             from serving_integration.cache.workload import workflows_from_rows
@@ -284,7 +288,7 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
             dataset = store.load(config.step_graph_traces)
             train = workflows_from_rows(dataset.rows("train"))
             return AgentStepGraph.for_dataset(dataset.meta, [[c.agent for c in w.calls] for w in train], config.horizon)
-        if policy != "kvflow" and config.checkpoint:
+        if policy not in STEP_GRAPH_POLICIES and config.checkpoint:
             from models import load_predictor
             from serving_integration.cache.predictions import ModelSource, OnlineBackoff
 
@@ -294,10 +298,10 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
         stats.count("predictor_unavailable")
         log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
         return None
-    if policy in ("pbkv", "kvflow"):
+    if policy in ("pbkv", *STEP_GRAPH_POLICIES):
         stats.count("predictor_unavailable")
         log.error("PBKV: %s has no %s; it runs as lifecycle-aware LRU", policy,
-                  "step_graph_traces" if policy == "kvflow" else "checkpoint")
+                  "step_graph_traces" if policy in STEP_GRAPH_POLICIES else "checkpoint")
     return None
 
 
@@ -327,15 +331,18 @@ class WorkflowRuntime:
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
-        options = ({"hold_step": config.hold_step} if policy_name == "kvflow" else
-                   config.trust_options(config.trust) if policy_name == "pbkv" else {})
+        options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
+                   config.trust_options(config.trust) if policy_name == "pbkv" else
+                   config.continuum_options() if policy_name == "continuum" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
+        self.pool_tokens: int | None = None  # the GPU pool's size, read at the first scheduler step
+        self.call_paths: OrderedDict[Any, list[int]] = OrderedDict()  # rid -> its path (continuum's pin)
         self.fallback = LifecycleLRU(self.ledger)
         self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
         self.predictor = GuardedPredictor(source, self.stats, config.predictor_timeout_s) if source else None
         if self.predictor is not None:
             self.predictor.warm_up(source.agent_names[-1])
-        # predictions are needed by the order itself (pbkv, kvflow) or to rank prefetch candidates
+        # predictions are needed by the order itself (pbkv, kvflow_ideal) or to rank prefetch candidates
         self.needs_predictions = self.policy.uses_predictions or self.prefetch.enabled
         self.degraded = self.needs_predictions and self.predictor is None
         # live workflows, least recently seen first (a call moves its workflow to the end)
@@ -400,8 +407,12 @@ class WorkflowRuntime:
         if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
         wf = self._live(tag)
+        self.call_paths[req.rid] = list(path_node_ids)
+        while len(self.call_paths) > MAX_REMEMBERED_REQUESTS:
+            self.call_paths.popitem(last=False)
         if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
             wf.running.add(req.rid)
+            self.policy.on_time(self.clock())  # continuum: the clock its tool times are read from
             if self.policy.observe_call(wf.id, tag.agent):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
         for node_id in path_node_ids:
@@ -430,6 +441,9 @@ class WorkflowRuntime:
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
+        self.policy.on_time(self.clock())  # continuum: pin the call's cache through its tool call
+        self.policy.on_call_finished(wf.id, tag.agent, self.call_paths.pop(req.rid, []),
+                                     len(req.origin_input_ids) + len(req.output_ids), not tag.workflow_end)
         if tag.workflow_end:
             self.end_workflow(wf.id)
         else:
@@ -508,7 +522,18 @@ class WorkflowRuntime:
 
     # ---------------------------------------------------------------- scheduler steps
 
+    def attach_cache(self, cache) -> None:
+        """The radix cache's GPU pool, read once: continuum's TTL weighs memory by its share of it.
+        SGLang builds its eviction heap anew on every pass, so a pin's change needs no refresh."""
+        if self.pool_tokens is not None:
+            return
+        size = getattr(getattr(cache, "token_to_kv_pool_allocator", None), "size", None)
+        if isinstance(size, int) and size > 0:
+            self.pool_tokens = size
+            self.policy.attach(size, lambda new, cached: new / self.config.prefill_tokens_per_s)
+
     def on_scheduler_step(self) -> None:
+        self.policy.on_time(self.clock())  # continuum: expired pins
         self.run_predictions()
         self.retire_silent_workflows()
         self.maybe_write_stats()
@@ -527,7 +552,7 @@ class WorkflowRuntime:
             self.degraded = True
             self.stats.count("fallback_rounds")
             return
-        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow's step graph
+        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow_ideal's step graph
         self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
                                     graph_steps(batch) if graph_steps else None)
         self.degraded = False

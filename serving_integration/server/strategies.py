@@ -51,13 +51,26 @@ class LifecycleLRUStrategy(WorkflowEvictionStrategy):
 
 
 class KVFlowStrategy(WorkflowEvictionStrategy):
-    """Larger steps-to-execution first, from a static agent step graph (KVFlow)."""
+    """Idealised KVFlow: larger steps-to-execution first, from a static agent step graph."""
 
-    policy_name = "kvflow"
+    policy_name = "kvflow_ideal"
+
+
+class KVFlowNoLifecycleStrategy(WorkflowEvictionStrategy):
+    """Idealised KVFlow without the lifecycle signal (retired cache held like an unknown agent's)."""
+
+    policy_name = "kvflow_nolae"
+
+
+class ContinuumStrategy(WorkflowEvictionStrategy):
+    """Continuum's tool-call TTL pin: a program's cache pinned through its tool call, then LRU."""
+
+    policy_name = "continuum"
 
 
 STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
-    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy)
+    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy, KVFlowNoLifecycleStrategy,
+                                     ContinuumStrategy)
 }
 
 

@@ -21,6 +21,9 @@ from serving_integration.cache.config import RouterConfig
 from serving_integration.simulator.cost_model import CostModel
 
 
+SCHEDULING = ("fcfs", "program_fcfs")
+
+
 def _routers():
     from serving_integration.cache.router import ROUTERS
 
@@ -43,6 +46,8 @@ class SimConfig:
     n_workflows: Optional[int] = knob(None, "evaluate.py replays at most this many workflows of the split "
                                       "(null: all)", at_least(1))
     replicas: int = knob(1, "servers behind the router; gpu_tokens is split evenly among them", at_least(1))
+    scheduling: str = knob("fcfs", "admission order: fcfs (SGLang's: by call arrival), program_fcfs (Continuum's: "
+                           "by the program's, i.e. the workflow's, start)", one_of(SCHEDULING))
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

@@ -7,7 +7,8 @@ locked while the request runs; prompt + output are inserted when it finishes (SG
 both). Scheduling follows SGLang's defaults: FCFS admission while KV memory allows (the prompt's
 missed tokens and the output are reserved up front), prefill iterations of at most
 `max_prefill_tokens` (chunked prefill) take priority over decode iterations, decode runs the
-whole running batch one token per iteration. Between events, identical decode iterations are
+whole running batch one token per iteration (`sim.scheduling=program_fcfs`: admission by the
+workflow's start instead, Continuum's program-level FCFS). Between events, identical decode iterations are
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
@@ -165,6 +166,7 @@ class Server:
         self.config, self.cost = config, cost
         self.ledger = WorkflowLedger(gamma)
         self.policy = make_policy(policy, self.ledger, next_use=next_use, **(policy_options or {}))
+        self.policy.attach(gpu_tokens, cost.prefill_s)
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
@@ -209,10 +211,12 @@ class Server:
 
     def _on_delete(self, node: Node) -> None:
         self.ledger.forget(node.id)
+        self.policy.forget(node)
         self.prefetched.pop(node.id, None)
 
     def _on_split(self, prefix: Node, suffix: Node) -> None:
         self.ledger.split(prefix.id, suffix.id)
+        self.policy.on_split(prefix, suffix)
         if suffix.id in self.prefetched:
             self.prefetched[prefix.id] = prefix.num_tokens
             self.prefetched[suffix.id] = suffix.num_tokens
@@ -249,7 +253,14 @@ class Server:
     def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str]) -> None:
         """wf's next call, issued at time t, arrives; an idle server prefetches through the idle time first."""
         self.idle_until(t, idle_workflows)
-        self.waiting.append(Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self))
+        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self)
+        if self.config.scheduling == "program_fcfs":  # Continuum's: the earliest-started program first
+            at = len(self.waiting)
+            while at > 0 and self.waiting[at - 1].wf.start_time > wf.start_time:
+                at -= 1
+            self.waiting.insert(at, request)
+        else:
+            self.waiting.append(request)
         self.calls += 1
 
     def step(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
@@ -281,7 +292,9 @@ class Server:
 
     def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
+        tree.refresh_ids(self.policy.on_time(self.now))  # continuum: expired pins
         path = tree.match(call.units, call.lens)
+        self.policy.on_cached(path[-1] if path else None, r.wf.id, call.agent, False)
         # hits are counted in the request's own token counts (a pruned request may need fewer
         # tokens of a unit than the cache holds); memory moves in the cache's counts
         matched = sum(len(n.units) for n in path)
@@ -399,8 +412,14 @@ class Server:
         tree.private_gpu -= r.private
         if r.last_node is not None:
             tree.unlock(r.last_node)
+        node_ids = [node.id for node in path]
         if self.tracks_workflows:
-            self.ledger.record_path([node.id for node in path], wf.id, call.agent)
+            self.ledger.record_path(node_ids, wf.id, call.agent)
+        if path:
+            self.policy.on_cached(path[-1], wf.id, call.agent, True)
+        tree.refresh_ids(self.policy.on_time(self.now))
+        tree.refresh_ids(self.policy.on_call_finished(wf.id, call.agent, node_ids, sum(lens),
+                                                      wf.next_call + 1 < len(wf.calls)))
         tree.refresh_many(path)
         self.ever_cached.update(keys)
         self.trace.append(r)
@@ -426,6 +445,7 @@ class Server:
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         tabled = getattr(predictions, "predict_folded", None)
         folded = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
+        steps = None
         if folded is not None:  # computed before the replay, already folded for the ledger
             measured = time.perf_counter() - started
             changed = self.ledger.set_folded(ids, names, folded)
@@ -434,6 +454,8 @@ class Server:
             steps = graph_steps(batch) if graph_steps else None
             measured = time.perf_counter() - started
             changed = self.ledger.set_predictions(ids, names, probs, steps)
+        if self.policy.on_steps(ids, steps):  # kvflow: a global step update
+            self.tree.reprioritize()
         self.tree.refresh_ids(self.policy.changed_by(changed))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured
@@ -453,15 +475,19 @@ class Server:
         budget = self.cost.pcie_tokens(seconds)
         tree = self.tree
         running = self.running
-        candidates = {}
-        for wf_id in idle_workflows:
-            if wf_id in running:
-                continue
-            for node_id in self.ledger.nodes_of.get(wf_id, ()):
-                node = tree.by_id.get(node_id)
-                if node is not None and not node.on_gpu:
-                    candidates[node_id] = node
-        for node in self.prefetch.rank(list(candidates.values())):
+        if self.prefetch.policy_driven:  # a baseline's own order (kvflow, lru_prefetch)
+            ranked = self.policy.prefetch_order(tree.by_id, (w for w in idle_workflows if w not in running))
+        else:
+            candidates = {}
+            for wf_id in idle_workflows:
+                if wf_id in running:
+                    continue
+                for node_id in self.ledger.nodes_of.get(wf_id, ()):
+                    node = tree.by_id.get(node_id)
+                    if node is not None and not node.on_gpu:
+                        candidates[node_id] = node
+            ranked = [(node, None) for node in self.prefetch.rank(list(candidates.values()))]
+        for node, tag in ranked:
             if budget <= 0:
                 break
             if node.on_gpu or node.parent is None:
@@ -471,7 +497,7 @@ class Server:
                 path.append(path[-1].parent)
             path.reverse()
             need = sum(n.num_tokens for n in path)
-            if need > budget:
+            if need > budget:  # waits for a longer window
                 continue
             anchor = path[0].parent
             tree.lock(anchor)  # keep the path's GPU ancestor while making room
@@ -479,8 +505,14 @@ class Server:
                 tree.evict_gpu(need - tree.gpu_free(), allow=self.prefetch.may_evict)
             tree.unlock(anchor)
             if tree.gpu_free() < need:
+                if self.prefetch.stops_at_failure:  # kvflow: a load that fails ends the round
+                    self.policy.on_prefetch_failed()
+                    break
                 continue
             tree.load_back(path)
+            if self.prefetch.policy_driven:  # kvflow holds what it loaded: path[0]'s priority changed
+                self.policy.on_prefetched(path, tag)
+                tree.refresh(path[0])
             if self.decisions is not None:
                 self.decisions.extend((self.now, "prefetch", n.key_id, n.num_tokens) for n in path)
             budget -= need
@@ -518,7 +550,7 @@ class Simulator:
                                gamma, next_use=self.future.next_use if self.future else None,
                                record_decisions=record_decisions) for _ in range(config.replicas)]
         first = self.servers[0]
-        if (first.policy.uses_predictions or first.prefetch.enabled) and predictions is None:
+        if (first.policy.uses_predictions or first.prefetch.uses_predictions) and predictions is None:
             raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
         self.router = make_router(config.routing, config.replicas, **dict((config.router or {}).get(config.routing) or {}))
         if self.router.uses_predictions and predictions is None:

@@ -36,8 +36,8 @@ from serving_integration.cache.workload import ROOT_KEY, chain, first_and_last_k
 
 class Node:
     __slots__ = ("id", "parent", "children", "units", "lens", "num_tokens", "on_gpu", "on_host",
-                 "lock_ref", "gpu_children", "last_access_time", "hit_count", "key_id", "end_key",
-                 "depth_tokens", "max_depth_tokens", "_gpu_entry", "_host_entry")
+                 "lock_ref", "gpu_children", "last_access_time", "creation_time", "hit_count", "key_id", "end_key",
+                 "depth_tokens", "max_depth_tokens", "priority", "_gpu_entry", "_host_entry")
 
     def __init__(self, node_id: int, parent: "Node | None", units: tuple, lens: tuple):
         self.id = node_id
@@ -49,7 +49,9 @@ class Node:
         self.lock_ref = 0
         self.gpu_children = 0
         self.last_access_time = 0.0
+        self.creation_time = 0.0  # SGLang's TreeNode.creation_time (FIFO, FILO; a split prefix keeps it)
         self.hit_count = 0
+        self.priority = 0
         self.key_id = self.end_key = ROOT_KEY
         # tokens from the root through this node, and the deepest such depth ever seen below
         # it (SGLang's T-LRU "history length", which does not shrink when the tail is evicted)
@@ -165,7 +167,7 @@ class RadixTree:
 
     def _new_node(self, parent: Node, units: tuple, lens: tuple) -> Node:
         node = Node(next(self._ids), parent, units, lens)
-        node.last_access_time = self.tick()
+        node.last_access_time = node.creation_time = self.tick()
         node.depth_tokens = parent.depth_tokens + node.num_tokens
         node.max_depth_tokens = node.depth_tokens
         node.key_id, node.end_key = first_and_last_key(units, parent.end_key)
@@ -183,7 +185,7 @@ class RadixTree:
         parent = node.parent
         prefix = Node(next(self._ids), parent, node.units[:at], node.lens[:at])
         prefix.last_access_time = self.tick()
-        for attr in ("on_gpu", "on_host", "lock_ref", "hit_count", "max_depth_tokens"):
+        for attr in ("on_gpu", "on_host", "lock_ref", "hit_count", "max_depth_tokens", "creation_time", "priority"):
             setattr(prefix, attr, getattr(node, attr))
         prefix.depth_tokens = parent.depth_tokens + prefix.num_tokens
         prefix.key_id = node.key_id

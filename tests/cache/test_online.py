@@ -19,9 +19,10 @@ from tests.simulator.test_simulator import H100, small_workload
 CONFIG = SimConfig(gpu_tokens=60_000, concurrency=6)
 
 
-def replay(workflows, **policy):
-    sim = Simulator([SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows], CONFIG, H100,
-                    record_decisions=True, **policy)
+def replay(workflows, scheduling="fcfs", **policy):
+    sim = Simulator([SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows],
+                    SimConfig(gpu_tokens=CONFIG.gpu_tokens, concurrency=CONFIG.concurrency, scheduling=scheduling),
+                    H100, record_decisions=True, **policy)
     sim.run()
     return sim
 
@@ -74,7 +75,14 @@ def policies(names, sequences, markov):
         "lru": {"policy": "lru"}, "lfu": {"policy": "lfu"},
         "tlru": {"policy": "tlru", "policy_options": {"threshold": 2000, "next_prompt_estimate": 500}},
         "pbkv_lae": {"policy": "pbkv_lae"},
-        "kvflow": {"policy": "kvflow", "prefetch": "aggressive", "predictions": AgentStepGraph.from_traces(sequences, 3)},
+        "kvflow_ideal": {"policy": "kvflow_ideal", "prefetch": "aggressive",
+                         "predictions": AgentStepGraph.from_traces(sequences, 3)},
+        "kvflow_nolae": {"policy": "kvflow_nolae", "predictions": AgentStepGraph.from_traces(sequences, 3)},
+        "kvflow": {"policy": "kvflow", "prefetch": "kvflow", "predictions": AgentStepGraph.from_traces(sequences, 3)},
+        "lru_prefetch": {"policy": "lru_prefetch", "prefetch": "last_call"},
+        "continuum": {"policy": "continuum"},
+        "continuum+program_fcfs": {"policy": "continuum", "scheduling": "program_fcfs"},
+        **{name: {"policy": name} for name in ("fifo", "mru", "filo", "slru", "priority")},
         "pbkv": {"policy": "pbkv", "predictions": ModelSource(markov)},
         "pbkv+conservative": {"policy": "pbkv", "prefetch": "conservative", "predictions": ModelSource(markov)},
     }

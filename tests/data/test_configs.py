@@ -22,8 +22,8 @@ CONF = REPO / "conf"
 ROOT_GROUPS = {
     "train": ["data", "model", "model/text_encoder", "trainer", "callbacks", "logger", "train_experiment",
               "hparams_search", "debug", "signal"],
-    "evaluate": ["data", "cost_model", "sim", "predictor", "pbkv", "tlru", "kvflow", "kv", "wandb", "experiment",
-                 "debug"],
+    "evaluate": ["data", "cost_model", "sim", "predictor", "pbkv", "tlru", "kvflow", "continuum", "kv", "wandb",
+                 "experiment", "debug"],
 }
 ROOT_ONLY = {"debug": {"train": ["train"], "evaluate": ["evaluate"]}}
 
@@ -260,6 +260,7 @@ def test_the_configuration_docs_show_each_dataclass_as_it_is(cls, skip):
 # ------------------------------------------------------------------ the schemas of evaluate's groups
 
 SCHEMA_GROUPS = {"sim": "SimConfig", "pbkv": "PbkvConfig", "kvflow": "KvflowConfig", "tlru": "TlruConfig",
+                 "continuum": "ContinuumConfig",
                  "cost_model": "CostModel", "predictor": "PredictorConfig", "kv": "KvConfig", "wandb": "WandbConfig"}
 SCHEMA_CASES = [(group, option) for group in SCHEMA_GROUPS for option in options(group, "evaluate")]
 

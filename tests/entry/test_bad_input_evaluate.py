@@ -26,8 +26,9 @@ CASES = [
     ("sim.max_running_requests", 0, "sim.max_running_requests=0: Input should be greater than or equal to 1"),
     ("sim.predictor_cost_s", -0.1, "sim.predictor_cost_s=-0.1: Input should be greater than or equal to 0"),
     ("policies", [], "policies=[]: should not be empty"),
-    ("policies", ["lru", "arc"], "policies[1]=arc: should be one of lru, lfu, tlru, kvflow, pbkv_lae, pbkv, oracle, "
-                                 "pbkv_perfect"),
+    ("policies", ["lru", "arc"], "policies[1]=arc: should be one of lru, lfu, tlru, kvflow_ideal, pbkv_lae, pbkv, "
+                                 "oracle, fifo, mru, filo, slru, priority, kvflow, kvflow_nolae, lru_prefetch, "
+                                 "continuum, pbkv_perfect"),
     ("policies", ["lru", "lru"], "policies=[lru,lru]: should not repeat a name"),
     ("prefetch", [], "prefetch=[]: should not be empty"),
     ("seeds", [0, 0], "seeds=[0,0]: should not repeat a name"),
@@ -47,11 +48,17 @@ CASES = [
     ("kv.method", "random", "kv.method=random: should be one of intent, streaming_llm, h2o, snapkv"),
     ("kv.layouts", [], "kv.layouts=[]: should not be empty"),
     ("kv.layouts", ["zigzag"], "kv.layouts[0]=zigzag: should be one of compaction, sentinel"),
-    ("kv.policy", "oracle", "kv.policy=oracle: should be one of lru, lfu, tlru, pbkv_lae"),
+    ("kv.policy", "oracle", "kv.policy=oracle: should be one of lru, lfu, tlru, pbkv_lae, fifo, mru, filo, slru, "
+                            "priority, lru_prefetch, continuum"),
     ("kv.chunk_tokens", 0, "kv.chunk_tokens=0: Input should be greater than or equal to 1"),
     ("kv.lam", -1, "kv.lam=-1.0: Input should be greater than or equal to 0"),
     ("tlru.threshold", -1, "tlru.threshold=-1: Input should be greater than or equal to 0"),
-    ("kvflow.hold_step", -1, "kvflow.hold_step=-1: Input should be greater than or equal to 0"),
+    ("kvflow.hold_step", 0, "kvflow.hold_step=0: Input should be greater than or equal to 1"),
+    ("kvflow.ideal_hold_step", -1, "kvflow.ideal_hold_step=-1: Input should be greater than or equal to 0"),
+    ("kvflow.agent_key", "global", "kvflow.agent_key=global: should be one of role, workflow"),
+    ("continuum.ttl_estimator", "median", "continuum.ttl_estimator=median: should be one of cdf, mean"),
+    ("continuum.hold_cost", 0, "continuum.hold_cost=0.0: Input should be greater than 0"),
+    ("sim.scheduling", "lifo", "sim.scheduling=lifo: should be one of fcfs, program_fcfs"),
     ("tlru.next_prompt_estimate", -1, "tlru.next_prompt_estimate=-1: Input should be greater than or equal to 0"),
     ("pbkv.trust", "sometimes", "pbkv.trust=sometimes: should be one of adaptive, always"),
     ("pbkv.trust", ["adaptive", "never"], "pbkv.trust[1]=never: should be one of adaptive, always"),

@@ -34,8 +34,9 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     summary, stdout = evaluate(tmp_path / "run", "prefetch=[none,conservative]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["prefetch"], r["trust"]) for r in rows] == [
-        ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "aggressive", "none"),
-        ("kvflow", "none", "none"),        ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
+        ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "kvflow", "none"),
+        ("kvflow", "none", "none"), ("kvflow_ideal", "aggressive", "none"), ("kvflow_ideal", "none", "none"),
+        ("continuum", "none", "none"), ("lru_prefetch", "last_call", "none"), ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
         ("pbkv", "none", "always"), ("pbkv", "conservative", "always"), ("pbkv_perfect", "none", "always"),
         ("pbkv_perfect", "conservative", "always"), ("oracle", "none", "none"), ("oracle", "conservative", "none")]
     assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"adaptive": True, "always": False}
@@ -58,8 +59,25 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
         assert (tmp_path / "run" / png).stat().st_size > 10_000
     assert "x_lru_hit" in stdout and "pbkv_perfect" in stdout
     assert summary["kvflow_graph"]["origin"] == "declared" and summary["kvflow_graph"]["kind"] == "transitions"
-    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "aggressive"]["prefetched_tokens"]
+    assert by["kvflow", "none"]["prefetched_tokens"] == 0 < by["kvflow", "kvflow"]["prefetched_tokens"]
+    assert by["kvflow_ideal", "none"]["prefetched_tokens"] == 0 < by["kvflow_ideal", "aggressive"]["prefetched_tokens"]
     assert summary["end_signal"]["delay_s"] > 0 and summary["end_signal"]["inactivity_timeout_s"] > 1
+
+
+def test_sglangs_strategies_and_the_other_baselines_under_program_fcfs(tmp_path, cache):
+    """The policies the default list leaves out, under Continuum's program-level FCFS admission."""
+    summary, _ = evaluate(tmp_path / "baselines", "policies=[lru,fifo,mru,filo,slru,priority,kvflow_nolae,continuum]",
+                          "sim.scheduling=program_fcfs", cache=cache)
+    rows = summary["rows"]
+    assert [(r["policy"], r["prefetch"]) for r in rows] == [
+        ("lru", "none"), ("fifo", "none"), ("mru", "none"), ("filo", "none"), ("slru", "none"), ("priority", "none"),
+        ("kvflow_nolae", "aggressive"), ("kvflow_nolae", "none"), ("continuum", "none")]
+    by = {(r["policy"], r["prefetch"]): r for r in rows}
+    assert by["priority", "none"]["hit_rate"] == by["lru", "none"]["hit_rate"]  # no request priorities: LRU
+    assert by["mru", "none"]["hit_rate"] != by["lru", "none"]["hit_rate"]
+    assert summary["config"]["sim"]["scheduling"] == "program_fcfs"
+    for r in rows:
+        assert r["hit_rate"] <= r["bound_hit_rate"] <= 1
 
 
 def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):

@@ -160,17 +160,26 @@ def three_workflows(serving):
 def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pbkv"]
     assert ep.value == "serving_integration.server.plugin:register"
-    for name in ("pbkv", "pbkv_lae", "kvflow"):  # undo the module fixture's load_plugins, then load the entry point
-        _EVICTION_POLICY_FACTORIES.pop(name)
+    for name in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "continuum"):  # undo the module fixture's
+        _EVICTION_POLICY_FACTORIES.pop(name)                                            # load_plugins, then load
+        RADIX_EVICTION_POLICY_CHOICES.remove(name)
+    for name in ("fifo", "mru", "filo"):  # SGLang's own, which the plugin adds to the flag's choices
         RADIX_EVICTION_POLICY_CHOICES.remove(name)
     ep.load()()  # what load_plugins does with it
     ep.load()()  # SGLang may load it in a process more than once
-    from serving_integration.server.strategies import KVFlowStrategy, LifecycleLRUStrategy, PBKVStrategy
+    from sglang.srt.mem_cache.evict_policy import FIFOStrategy
+
+    from serving_integration.server.strategies import (KVFlowNoLifecycleStrategy, KVFlowStrategy, LifecycleLRUStrategy,
+                                                       PBKVStrategy)
 
     assert _EVICTION_POLICY_FACTORIES["pbkv"] is PBKVStrategy
     assert _EVICTION_POLICY_FACTORIES["pbkv_lae"] is LifecycleLRUStrategy
-    assert _EVICTION_POLICY_FACTORIES["kvflow"] is KVFlowStrategy
-    assert {"pbkv", "pbkv_lae", "kvflow"} <= set(RADIX_EVICTION_POLICY_CHOICES)
+    assert _EVICTION_POLICY_FACTORIES["kvflow_ideal"] is KVFlowStrategy
+    assert _EVICTION_POLICY_FACTORIES["kvflow_nolae"] is KVFlowNoLifecycleStrategy
+    assert _EVICTION_POLICY_FACTORIES["fifo"] is FIFOStrategy  # SGLang's own stays
+    assert {"pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "fifo", "mru", "filo"} <= set(
+        RADIX_EVICTION_POLICY_CHOICES)
+    assert RADIX_EVICTION_POLICY_CHOICES.count("fifo") == 1
     assert RADIX_EVICTION_POLICY_CHOICES.count("pbkv") == 1
     assert "pbkv_python" in tree_core_registry.registered_tree_core_backends()
     for target in ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint_into_tree",
@@ -204,7 +213,7 @@ def test_our_policies_get_the_python_tree_core_even_when_rust_is_asked_for():
         return CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
                                eviction_policy=policy, tree_core_backend=backend)
 
-    for policy in ("pbkv", "pbkv_lae", "kvflow"):
+    for policy in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae"):
         assert tree_core_registry.select_tree_core_backend(params(policy, "rust")) == "pbkv_python"
         assert tree_core_registry.select_tree_core_backend(params(policy)) == "pbkv_python"
     assert tree_core_registry.select_tree_core_backend(params("lru", "python")) == "python"
@@ -247,6 +256,27 @@ def test_adaptive_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoin
     always.serve(prompt(10) + [1, 2, 3], [4], tag("W", "b", step=1))
     three_workflows(always)
     assert always.runtime.policy.trusted and always.eviction_order() == ["C", "B", "A"]
+
+
+def test_continuum_pins_a_programs_cache_through_its_tool_call_in_sglangs_cache():
+    """A's second call finishes with a tool call to follow: pinned for the TTL its cost model gives
+    (2 s, the one tool time seen), so B's newer cache goes first; once the TTL has passed, LRU again."""
+    for steps_at, order in ((3.0, ["B", "A"]), (5.0, ["A", "B"])):
+        serving = Serving("continuum", {"prefill_tokens_per_s": 10.0})
+        now = [0.0]
+        serving.runtime.clock = lambda: now[0]
+        serving.step()  # the plugin reads the GPU pool's size (256 tokens)
+        assert serving.runtime.pool_tokens == 256
+        serving.serve(prompt(100), [1, 2], tag("A", "a"), label="A")  # no tool time seen yet: no pin
+        assert not serving.runtime.policy.pins
+        now[0] = 2.0
+        serving.serve(prompt(100) + [1, 2, 3], [4], tag("A", "a", step=1), label="A")
+        assert serving.runtime.policy.tool_times == {"a": [2.0]} and serving.runtime.policy.pins["A"][0] == 4.0
+        now[0] = 3.0
+        serving.serve(prompt(200), [1, 2], tag("B", "b", end=True), label="B")  # B's last call: no pin
+        now[0] = steps_at
+        serving.step()
+        assert serving.eviction_order() == order
 
 
 def test_lifecycle_lru_evicts_retired_then_lru():
@@ -517,13 +547,13 @@ def test_launch_adds_sglangs_hidden_state_flags(hidden_checkpoint, capsys):
     assert launch.main(["--cpu", "--policy", "pbkv_lae", "--hidden-state", "--hidden-layer", "0", "--dry-run"]) == 0
 
 
-def test_stats_file_and_kvflow_step_graph(tmp_path, hover_small):
+def test_stats_file_and_kvflow_ideal_step_graph(tmp_path, hover_small):
     from data import store
 
     data_dir = tmp_path / "hover"
     store.save(store.build(hover_small), data_dir)
     stats_path = tmp_path / "stats.json"
-    serving = Serving("kvflow", {"step_graph_traces": str(data_dir), "stats_path": str(stats_path),
+    serving = Serving("kvflow_ideal", {"step_graph_traces": str(data_dir), "stats_path": str(stats_path),
                                  "predictor_timeout_s": 0})
     assert serving.runtime.predictor is not None and serving.runtime.prefetch.mode == "aggressive"
     serving.serve(prompt(100), [1], tag("A", "retriever"), label="A")
@@ -532,7 +562,7 @@ def test_stats_file_and_kvflow_step_graph(tmp_path, hover_small):
     serving.step()
     assert serving.eviction_order()[0] == "B"
     written = json.loads(stats_path.read_text())
-    assert written["policy"] == "kvflow" and written["counters"]["predictor_calls"] == 1
+    assert written["policy"] == "kvflow_ideal" and written["counters"]["predictor_calls"] == 1
 
 
 # -------------------------------------------------------------------- the launcher
@@ -551,6 +581,11 @@ def test_launch_builds_a_valid_sglang_command(checkpoint, capsys):
     assert "--max-total-tokens 4096" in capsys.readouterr().out
     assert launch.main(["--model-path", "dummy", "--policy", "pbkv", "--dry-run"]) == 2  # no checkpoint
     assert launch.main(["--model-path", "dummy", "--policy", "lru", "--dry-run"]) == 0
+    for policy in ("fifo", "mru", "filo", "slru", "priority"):  # SGLang's own strategies, by SGLang's own flag
+        cmd = launch.build_command(*launch.parse_args(["--model-path", "dummy", "--policy", policy]))
+        args = prepare_server_args(cmd[3:])
+        assert args.radix_eviction_policy == policy and "--radix-eviction-policy-config" not in cmd
+        assert type(get_eviction_strategy(policy)).__name__.lower() == f"{policy}strategy"
 
 
 def test_launch_cpu_adds_the_cpu_flags_environment_and_support_path(tmp_path):

@@ -117,7 +117,8 @@ def test_no_policy_beats_its_own_bound(kind, gpu):
     graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {}, "pbkv": {"predictions": perfect},
             "pbkv+conservative": {"predictions": perfect, "prefetch": "conservative"},
-            "kvflow": {"predictions": graph, "prefetch": "aggressive"}, "oracle": {"predictions": perfect}}
+            "kvflow_ideal": {"predictions": graph, "prefetch": "aggressive"},
+            "kvflow": {"predictions": graph, "prefetch": "kvflow"}, "oracle": {"predictions": perfect}}
     for label, kwargs in runs.items():
         row = simulate(workflows, config, H100, policy=label.split("+")[0], **kwargs)
         assert row["hit_rate"] <= row["bound_hit_rate"], label

@@ -48,7 +48,7 @@ CASES = {
     "lru": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6), dict(policy="lru")),
     "lfu_page16": ("swebench", 8, 1, dict(gpu_tokens=120_000, concurrency=4, page_size=16), dict(policy="lfu")),
     "kvflow_aggressive": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
-                          dict(policy="kvflow", prefetch="aggressive", predictions="step_graph")),
+                          dict(policy="kvflow_ideal", prefetch="aggressive", predictions="step_graph")),
     "pbkv_lae_end_delay": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.5),
                            dict(policy="pbkv_lae")),
     "pbkv_conservative_online": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.0),

@@ -81,21 +81,23 @@ def small_workload(kind, n, seed):
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["hover", "swebench"]), seed=st.integers(0, 1000),
        gpu=st.integers(70_000, 200_000), concurrency=st.integers(1, 12),
-       policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "oracle"]),
-       prefetch=st.sampled_from(["none", "conservative", "aggressive"]), page=st.sampled_from([1, 16]),
+       policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae",
+                               "continuum", "lru_prefetch", "fifo", "slru", "oracle"]),
+       prefetch=st.sampled_from(["none", "conservative", "aggressive", "kvflow", "last_call"]),
+       page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs"]),
        end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]))  # None: never
-def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, end):
+def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, scheduling, end):
     workflows = small_workload(kind, 12, seed)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))  # every call fits
-    if policy == "kvflow":
+    if policy.startswith("kvflow"):
         source = AgentStepGraph((Hover if kind == "hover" else SweBench)().agent_graph(), 3, names)
     else:
         source = PerfectSource(names, 3)
-    uses = policy in ("pbkv", "kvflow", "oracle") or prefetch != "none"
+    uses = policy in ("pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae", "oracle") or prefetch != "none"
     delay, loss, timeout = end
     config = SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page, end_signal_delay_s=delay,
-                       end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed)
+                       end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed, scheduling=scheduling)
     sim = AuditedSimulator(workflows, config, H100, policy=policy, prefetch=prefetch, predictions=source if uses else None)
     counters = sim.run()
     assert counters.ended_by_signal + counters.ended_by_timeout + len(sim.finished) == len(workflows)
@@ -146,6 +148,22 @@ def test_a_server_is_driven_from_outside_and_never_calls_back():
         wf.next_call += 1
     assert [(r.gpu_hit, r.host_hit, r.miss) for r in server.trace[::2]] == [(0, 0, 800), (900, 0, 50)]
     assert server.counters.gpu_hit_tokens == 900 and server.tree.private_gpu == 0 and not server.running
+
+
+def test_program_fcfs_admits_the_earliest_started_program_first():
+    """sim.scheduling=program_fcfs (Continuum's): a waiting call of a program started earlier goes
+    ahead of calls that arrived before it; fcfs keeps arrival order."""
+    def call(name):
+        return SimCall("coder", (name,), (100,), prefix_keys((name,)), f"{name}/out", 10, 0.0, None)
+
+    for scheduling, order in (("fcfs", ["late", "middle", "early"]), ("program_fcfs", ["early", "middle", "late"])):
+        config = SimConfig(gpu_tokens=10_000, scheduling=scheduling)
+        server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+        for started, name in ((5.0, "late"), (3.0, "middle"), (1.0, "early")):
+            wf = SimWorkflow(name, 0, "task", [call(name)])
+            wf.start_time = started
+            server.receive(6.0, wf, ())
+        assert [r.wf.id for r in server.waiting] == order, scheduling
 
 
 def test_too_small_gpu_is_a_clear_error():
