@@ -76,8 +76,9 @@ def compose_evaluate(overrides):
 
 def served(runtime, rid, workflow, agent, step, nodes=()):
     """One call of `workflow` through the runtime, as the plugin's hooks report it."""
-    req = types.SimpleNamespace(rid=rid, kv_hints=None, sampling_params=types.SimpleNamespace(
-        custom_params={"pbkv": {"workflow_id": workflow, "agent": agent, "step": step, "workflow_end": False}}))
+    req = types.SimpleNamespace(rid=rid, kv_hints=None, origin_input_ids=[0] * 8, output_ids=[0] * 2,
+                                sampling_params=types.SimpleNamespace(custom_params={"pbkv": {
+                                    "workflow_id": workflow, "agent": agent, "step": step, "workflow_end": False}}))
     runtime.on_cached(req, list(nodes))
     runtime.on_finished(req)
 
@@ -124,7 +125,8 @@ def test_never_ended_workflows_leave_the_ledger_at_its_bound():
     """20,000 workflows that never send their end signal: the ledger stays at max_live_workflows, the
     longest-silent ones retired first and counted; a workflow with a call in flight is kept."""
     runtime = WorkflowRuntime("pbkv_lae", PluginConfig(max_live_workflows=3000, prefetch="none"))
-    busy = types.SimpleNamespace(rid="busy", kv_hints=None, sampling_params=types.SimpleNamespace(
+    busy = types.SimpleNamespace(rid="busy", kv_hints=None, origin_input_ids=[0] * 8, output_ids=[],
+                                 sampling_params=types.SimpleNamespace(
         custom_params={"pbkv": {"workflow_id": "busy", "agent": "a", "step": 0, "workflow_end": False}}))
     runtime.on_cached(busy, [0])  # in flight for the whole test
     for i in range(3000 + 20000):
