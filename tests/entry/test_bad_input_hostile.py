@@ -126,8 +126,8 @@ def test_never_ended_workflows_leave_the_ledger_at_its_bound():
     longest-silent ones retired first and counted; a workflow with a call in flight is kept."""
     runtime = WorkflowRuntime("pbkv_lae", PluginConfig(max_live_workflows=3000, prefetch="none"))
     busy = types.SimpleNamespace(rid="busy", kv_hints=None, origin_input_ids=[0] * 8, output_ids=[],
-                                 sampling_params=types.SimpleNamespace(
-        custom_params={"pbkv": {"workflow_id": "busy", "agent": "a", "step": 0, "workflow_end": False}}))
+                                 sampling_params=types.SimpleNamespace(custom_params={"pbkv": {
+                                     "workflow_id": "busy", "agent": "a", "step": 0, "workflow_end": False}}))
     runtime.on_cached(busy, [0])  # in flight for the whole test
     for i in range(3000 + 20000):
         served(runtime, f"r{i}", f"w{i}", "a", 0, [i + 1])
