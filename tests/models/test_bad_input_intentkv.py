@@ -8,10 +8,10 @@ from models.intentkv import train as ikv
 
 @pytest.mark.parametrize("arg, message", [
     ("steps=0", "steps=0: Input should be greater than or equal to 1"),
-    ("budget_frac=1.5", "budget_frac=1.5: Input should be less than or equal to 1"),
+    ("budgets=[1.5]", "budgets[0]=1.5: Input should be less than or equal to 1"),
     ("lr=0", "lr=0.0: Input should be greater than 0"),
-    ("n_test=0", "n_test=0: Input should be greater than or equal to 1"),
-    ("model_heads=3", "model_hidden=64, model_heads=3: model_hidden should be a multiple of model_heads"),
+    ("test=1", "test=1.0: Input should be less than 1"),
+    ("window=600", "window=600, stride=255: window should be at most 510 and a multiple of stride"),
     ("out=", "out='': should not be empty"),
 ])
 def test_bad_settings(tmp_path, capsys, monkeypatch, arg, message):
