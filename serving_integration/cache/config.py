@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.errors import ConfigError
-from data.knobs import above, at_least, at_most, check, each, knob, nonempty, one_of, probability, register, shown, \
+from data.knobs import above, at_least, at_most, below, check, each, knob, nonempty, one_of, probability, register, shown, \
     unique
 
 TRUST_MODES = ("outcome", "accuracy", "always")
@@ -58,6 +58,8 @@ class TrustConfig:
     outcome_margin: float = knob(0.005, "outcome's hysteresis: fall back once lifecycle-aware LRU's shadow hit "
                                  "rate beats the score's by more than this (and outcome_z standard errors), "
                                  "return once the score's beats it so", probability)
+    outcome_slack: float = knob(0.02, "outcome: a full shadow evicts down to (1 - slack) x its capacity, so the "
+                                "next inserts need no ranking (the same for both shadows)", at_least(0), below(1))
     outcome_seed: int = knob(0, "outcome: seeds which workflows are sampled", at_least(0))
 
     def __post_init__(self):

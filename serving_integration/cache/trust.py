@@ -45,8 +45,9 @@ under-charged by less than a factor 1/R. Either way both shadows charge the same
 so the residual bias changes the capacity both compete for, not which order it favours.
 
 Cost: a sampled call touches its keys in both shadows (dict and ordered-dict operations) and, when
-a shadow is over its capacity, ranks that shadow's entries once (O(n log n) over the entries it
-holds, a few hundred at R x GPU capacity); unsampled calls cost one hash of the workflow id.
+a shadow is over its capacity, ranks what that shadow holds once (O(n) scores and a heap) and
+evicts down to (1 - `outcome_slack`) x its capacity, so that the next inserts need no ranking;
+unsampled calls cost one hash of the workflow id.
 A flip changes every node's priority at once: `observe_call` returns True and the simulator
 re-heapifies (RadixTree.reprioritize), as the accuracy meter's flips do.
 """
@@ -128,6 +129,9 @@ def sampled(workflow: str, share: float, seed: int) -> bool:
     return int.from_bytes(digest, "big") < share * 2 ** 64
 
 
+SAMPLED_MEMO = 65536  # workflows whose sampling is memoised at once (the hash costs about a microsecond)
+
+
 class ShadowEntry:
     """One content key as the shadows know it: its tokens, the sampled workflows (and their agents)
     that read it, how many distinct ones ever did, and when it was last touched."""
@@ -183,6 +187,7 @@ class OutcomeTrust:
         self.values = values
         self.share, self.seed = options.outcome_sample, options.outcome_seed
         self.margin, self.min_calls, self.z = options.outcome_margin, options.outcome_min_calls, options.outcome_z
+        self.slack = options.outcome_slack
         self.decay = 1.0 - 1.0 / options.outcome_window
         self.entries: dict = {}  # key -> ShadowEntry, for keys held by either shadow
         self.clock = 0
@@ -194,6 +199,7 @@ class OutcomeTrust:
         self._dd = self._dp = self._pp = 0.0
         self.sampled_calls = 0
         self.trusted, self.switches = True, 0
+        self._sampled: dict[str, bool] = {}  # workflow -> is_sampled, memoised (at most SAMPLED_MEMO)
         self.set_capacity(capacity)
 
     def set_capacity(self, gpu_tokens: float) -> None:
@@ -203,7 +209,12 @@ class OutcomeTrust:
     # ---------------------------------------------------------------- accesses
 
     def is_sampled(self, workflow: str) -> bool:
-        return sampled(workflow, self.share, self.seed)
+        known = self._sampled.get(workflow)
+        if known is None:
+            if len(self._sampled) >= SAMPLED_MEMO:  # a long-running server sees workflows without end
+                self._sampled.clear()
+            known = self._sampled[workflow] = sampled(workflow, self.share, self.seed)
+        return known
 
     def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
         """A call arrived with its prompt's content keys (prefix order) and token counts: each shadow
@@ -252,7 +263,7 @@ class OutcomeTrust:
         keep = set(keys)  # the call's own keys stay (its path is locked in the real tree)
         for shadow, make_room in ((self.score_shadow, self._evict_by_score), (self.lru_shadow, self._evict_by_lru)):
             if shadow.used > shadow.capacity:
-                for key in make_room(shadow, keep):
+                for key in make_room(shadow, keep, shadow.used - (1 - self.slack) * shadow.capacity):
                     shadow.evict(key)
                     if key not in self.score_shadow.held and key not in self.lru_shadow.held:
                         del entries[key]
@@ -260,53 +271,68 @@ class OutcomeTrust:
     # ---------------------------------------------------------------- the two keep orders
 
     def _live_values(self, entry: ShadowEntry, cache: dict) -> list:
-        """The value tables of the entry's readers the cache still follows (retired ones are dropped)."""
-        tables = []
-        for w in list(entry.readers):
-            table = cache.get(w, False)
-            if table is False:
-                table = cache[w] = self.values(w)
+        """The value tables of the entry's readers the cache still follows, with their agents;
+        retired readers are dropped. `cache`: workflow -> its table (None: retired), per pass."""
+        readers = entry.readers
+        if len(readers) == 1:  # the common case: a private key
+            (w, agents), = readers.items()
+            table = cache[w] if w in cache else cache.setdefault(w, self.values(w))
             if table is None:
-                del entry.readers[w]
+                readers.clear()
+                return []
+            return [(table, agents)]
+        tables, gone = [], []
+        for w, agents in readers.items():
+            table = cache[w] if w in cache else cache.setdefault(w, self.values(w))
+            if table is None:
+                gone.append(w)
             else:
-                tables.append((table, entry.readers[w]))
+                tables.append((table, agents))
+        for w in gone:
+            del readers[w]
         return tables
 
-    def _evict_by_lru(self, shadow: ShadowCache, keep) -> list:
-        """Lifecycle-aware LRU: keys no followed workflow read first, oldest first; then the oldest."""
-        over, cache, entries = shadow.used - shadow.capacity, {}, self.entries
-        victims, active = [], []
+    def _retired_first(self, shadow: ShadowCache, keep, over: float, cache: dict) -> tuple[list, float, list]:
+        """Both orders evict retired keys (no live reader) first, oldest first: those, until `over`
+        tokens are freed; then what is still to free and the live keys seen, oldest first, with their
+        value tables (all of them when the retired keys did not suffice)."""
+        victims, active, entries = [], [], self.entries
         for key, charge in shadow.held.items():
             if key in keep:
                 continue
-            if self._live_values(entries[key], cache):
-                active.append((key, charge))
+            tables = self._live_values(entries[key], cache)
+            if tables:
+                active.append((key, tables))
                 continue
-            victims.append(key)
-            over -= charge
-            if over <= 0:
-                return victims
-        for key, charge in active:
             victims.append(key)
             over -= charge
             if over <= 0:
                 break
+        return victims, over, active
+
+    def _evict_by_lru(self, shadow: ShadowCache, keep, over: float) -> list:
+        """Lifecycle-aware LRU: retired keys first, then the oldest, until `over` tokens are freed."""
+        victims, over, active = self._retired_first(shadow, keep, over, {})
+        for key, _ in active:
+            if over <= 0:
+                break
+            victims.append(key)
+            over -= shadow.held[key]
         return victims
 
-    def _evict_by_score(self, shadow: ShadowCache, keep) -> list:
-        """PBKV's order: retired keys first, then ascending score; older first among equals."""
-        cache, entries, ranked = {}, self.entries, []
-        for key in shadow.held:
-            if key in keep:
-                continue
-            entry = entries[key]
-            tables = self._live_values(entry, cache)
-            score = sum(table.get(a, 0.0) for table, agents in tables for a in agents)
-            ranked.append((1 if tables else 0, score, entry.stamp, key))
+    def _evict_by_score(self, shadow: ShadowCache, keep, over: float) -> list:
+        """PBKV's order: retired keys first (oldest first, as their scores tie), then ascending score,
+        older first among equals; until `over` tokens are freed. Only when the retired keys do not
+        suffice are the live ones scored."""
+        victims, over, active = self._retired_first(shadow, keep, over, {})
+        if over <= 0:
+            return victims
+        entries = self.entries
+        ranked = [(sum(table.get(a, 0.0) for table, agents in tables for a in agents), entries[key].stamp, key)
+                  for key, tables in active]
         heapq.heapify(ranked)
-        over, victims = shadow.used - shadow.capacity, []
         while over > 0 and ranked:
-            key = heapq.heappop(ranked)[3]
+            key = heapq.heappop(ranked)[2]
             victims.append(key)
             over -= shadow.held[key]
         return victims

@@ -75,7 +75,7 @@ class PluginConfig(PbkvConfig, KvflowConfig, OnlineBackoffConfig):
                                    "flight is retired (counted, logged)", at_least(1))
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
-    shadow_block_tokens: int = knob(64, "pbkv trust=outcome: the shadow caches name a prompt's content in blocks "
+    shadow_block_tokens: int = knob(256, "pbkv trust=outcome: the shadow caches name a prompt's content in blocks "
                                     "of this many tokens (chained hashes of the token ids)", at_least(1))
 
     def __post_init__(self):
@@ -328,6 +328,14 @@ class WorkflowRuntime:
             self.policy.set_capacity(size)
             self._capacity_known = True
 
+    def _shadow_keys(self, workflow_id: str, tokens) -> tuple[list, list]:
+        """The content keys the outcome shadows need of a call of this workflow: none unless pbkv
+        judges by outcome and samples the workflow (the tokens are hashed only then)."""
+        judge = getattr(self.policy, "judge", None)
+        if getattr(judge, "mode", None) != "outcome" or not judge.is_sampled(workflow_id):
+            return [], []
+        return self.content_keys(tokens)
+
     def content_keys(self, tokens) -> tuple[list, list]:
         """A token sequence as the outcome shadows name it: chained hashes of its blocks of
         `shadow_block_tokens` tokens (the same prefix gives the same keys whatever the tree's
@@ -387,7 +395,7 @@ class WorkflowRuntime:
         wf = self._live(tag)
         if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
             wf.running.add(req.rid)
-            keys, sizes = self.content_keys(getattr(req, "origin_input_ids", None)) if self._judges_outcome else ((), ())
+            keys, sizes = self._shadow_keys(wf.id, getattr(req, "origin_input_ids", None))
             if self.policy.observe_call(wf.id, tag.agent, keys, sizes):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
             report = self.policy.trust_report()
@@ -412,9 +420,10 @@ class WorkflowRuntime:
         wf = self._live(tag)
         wf.running.discard(req.rid)
         wf.agents.append(tag.agent)
-        if self._judges_outcome:
-            tokens = list(getattr(req, "origin_input_ids", None) or ()) + list(getattr(req, "output_ids", None) or ())
-            self.policy.observe_insert(wf.id, tag.agent, *self.content_keys(tokens))
+        keys, sizes = self._shadow_keys(wf.id, list(getattr(req, "origin_input_ids", None) or ())
+                                        + list(getattr(req, "output_ids", None) or ()))
+        if keys:
+            self.policy.observe_insert(wf.id, tag.agent, keys, sizes)
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
@@ -533,10 +542,6 @@ class WorkflowRuntime:
         return list(ids)
 
     # ---------------------------------------------------------------- reporting
-
-    @property
-    def _judges_outcome(self) -> bool:
-        return getattr(self.policy, "trust", None) == "outcome"
 
     def snapshot(self) -> dict:
         counts = self.stats.as_dict()

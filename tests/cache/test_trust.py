@@ -12,7 +12,7 @@ VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent],
 
 def judge(capacity=12, **options):
     options = {"outcome_sample": 1.0, "outcome_window": 10**6, "outcome_min_calls": 1, "outcome_z": 0.0,
-               "outcome_margin": 0.001, **options}
+               "outcome_margin": 0.001, "outcome_slack": 0.0, **options}
     live = dict.fromkeys(VALUES)
     trust = OutcomeTrust(TrustConfig(**options), lambda w: VALUES[w] if w in live else None)
     trust.set_capacity(capacity / trust.share)  # the shadows hold share x the GPU tokens
@@ -118,3 +118,12 @@ def test_trust_knobs_are_checked():
         TrustConfig(outcome_sample=0)
     with pytest.raises(ConfigError, match="trust"):
         TrustConfig(trust="adaptive")
+
+
+def test_a_full_shadow_evicts_down_to_its_slack():
+    trust, _ = judge(capacity=100, outcome_slack=0.1)
+    for i in range(10):
+        trust.observe_call("w1", "c", [f"k{i}"], [10])
+    assert trust.lru_shadow.used == 100
+    trust.observe_call("w1", "c", ["k10"], [10])  # 110 > 100: down to 90 (the two oldest go)
+    assert trust.lru_shadow.used == 90 and sorted(trust.lru_shadow.held) == sorted(f"k{i}" for i in range(2, 11))
