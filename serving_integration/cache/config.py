@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.errors import ConfigError
-from data.knobs import above, at_least, at_most, check, each, knob, nonempty, one_of, probability, register, shown, \
+from data.knobs import above, at_least, at_most, below, check, each, knob, nonempty, one_of, probability, register, shown, \
     unique
 
-TRUST_MODES = ("adaptive", "always")
+TRUST_MODES = ("outcome", "accuracy", "always")
 PREFETCH_MODES = ("none", "conservative", "aggressive")
 POLICY_PREFETCH_MODES = ("kvflow", "last_call")  # a baseline's own prefetch order (cache/baselines.py)
 NOISE_KINDS = ("uniform", "adversarial")
@@ -35,17 +35,33 @@ def trust_modes(value) -> str | None:
 
 @dataclass(frozen=True)
 class TrustConfig:
-    """PBKV's adaptive trust (policies.TrustMeter): follow the predictions while the moving average
-    of the probability they gave the agent that came next stays above threshold - margin; follow
-    them again once it climbs above threshold + margin."""
+    """When PBKV follows its score and when lifecycle-aware LRU (cache/trust.py). outcome: the order
+    that would have had more GPU hits on two shadow caches over a seeded sample of the workflows,
+    with a margin; accuracy: the score while the moving average of the probability the predictions
+    gave the agent that came next stays above threshold - margin, again above threshold + margin."""
 
-    trust: Any = knob("adaptive", "adaptive: lifecycle-aware LRU while the predictions are poor (measured online); "
+    trust: Any = knob("outcome", "outcome: follow whichever of the score and lifecycle-aware LRU wins on shadow "
+                      "caches (measured online); accuracy: lifecycle-aware LRU while the predictions are poor; "
                       "always: the paper's policy; evaluate.py takes a list too (a pbkv row each)", trust_modes)
-    trust_threshold: float = knob(0.5, "adaptive: trust while the average stays above threshold - margin",
+    trust_threshold: float = knob(0.5, "accuracy: trust while the average stays above threshold - margin",
                                   probability)
-    trust_margin: float = knob(0.1, "hysteresis: distrust below threshold - margin, trust again above "
+    trust_margin: float = knob(0.1, "accuracy's hysteresis: distrust below threshold - margin, trust again above "
                                "threshold + margin", probability)
-    trust_window: int = knob(32, "calls the moving average spans", at_least(1))
+    trust_window: int = knob(32, "accuracy: calls the moving average spans", at_least(1))
+    outcome_sample: float = knob(0.25, "outcome: share R of the workflows the shadow caches follow (seeded hash "
+                                 "of the workflow id); they hold R x the GPU tokens", above(0), at_most(1))
+    outcome_window: int = knob(128, "outcome: sampled calls the compared hit rates span (moving average)",
+                               at_least(1))
+    outcome_min_calls: int = knob(16, "outcome: sampled calls seen before the first decision (until then the "
+                                  "score is followed)", at_least(1))
+    outcome_z: float = knob(2.0, "outcome: the hit-rate difference must pass the margin by this many of its "
+                            "standard errors (over the window's sampled calls) before the order flips", at_least(0))
+    outcome_margin: float = knob(0.005, "outcome's hysteresis: fall back once lifecycle-aware LRU's shadow hit "
+                                 "rate beats the score's by more than this (and outcome_z standard errors), "
+                                 "return once the score's beats it so", probability)
+    outcome_slack: float = knob(0.02, "outcome: a full shadow evicts down to (1 - slack) x its capacity, so the "
+                                "next inserts need no ranking (the same for both shadows)", at_least(0), below(1))
+    outcome_seed: int = knob(0, "outcome: seeds which workflows are sampled", at_least(0))
 
     def __post_init__(self):
         check(self)
@@ -70,8 +86,7 @@ class PbkvConfig(TrustConfig):
 
     def trust_options(self, mode: str) -> dict:
         """The policies.PBKV keyword arguments under one trust mode."""
-        return {"trust": mode, "trust_threshold": self.trust_threshold, "trust_margin": self.trust_margin,
-                "trust_window": self.trust_window}
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrustConfig)}, "trust": mode}
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ Policies (docs/simulator.md; PBKV, arXiv 2605.06472):
                baselines.py, with SGLang's other strategies and Continuum)
     pbkv_lae   lifecycle-aware: retired cache first, then LRU
     pbkv       retired first; then active by ascending lookahead reuse score; LRU breaks ties.
-               trust="adaptive" (default) measures the predictions online and orders as
-               pbkv_lae while they are poor; trust="always" is the paper's policy
+               trust="outcome" (default) orders as pbkv_lae while that order wins on shadow
+               caches (cache/trust.py); "accuracy" while the predictions prove poor;
+               "always" is the paper's policy
     oracle     clairvoyant: furthest next use first (simulator only; it needs the real future)
 
 PBKV's score of node c with the live workflows W_act(c) that used it:
@@ -29,16 +30,16 @@ A_w(c) the indicator of w's agents that accessed c, P_w^(k) the predicted agent 
 calls ahead. The ledger folds each workflow's predictions into one value per agent,
 v_w[a] = sum_k gamma^(k-1) s_w^(k) P_w^(k)[a], so a score costs O(sum_w |A_w(c)|).
 
-Robustness (trust="adaptive"). Learning-augmented caching follows predictions only while they
+Robustness (trust, cache/trust.py). Learning-augmented caching follows predictions only while they
 earn it, and falls back to a robust order otherwise (Lykouris and Vassilvitskii, ICML 2018; Wei,
 APPROX 2020; Rohatgi, SODA 2020); ARC (Megiddo and Modha, FAST 2003) and LeCaR (Vietri et al.,
-HotStorage 2018) adapt the same way, online, from what the running workload shows. Here the
-evidence is the probability the workflow's last prediction gave the agent that actually came
-next, observed as each call arrives: a `TrustMeter` keeps its exponential moving average and
-switches, with hysteresis, between the prediction score and lifecycle-aware LRU. A switch
-changes every node's priority at once, so the simulator's tree re-heapifies its evictable nodes
-(O(n), only at a switch; between switches an eviction stays O(log n)); SGLang builds its heap
-anew on every eviction pass, so the plugin needs nothing more.
+HotStorage 2018) adapt the same way, online, from what the running workload shows. Under
+trust="outcome" the evidence is the GPU hits each order would have had on shadow caches over a
+sample of the workflows; under "accuracy", the probability the workflow's last prediction gave
+the agent that came next. Either switches, with hysteresis, between the prediction score and
+lifecycle-aware LRU. A switch changes every node's priority at once, so the simulator's tree
+re-heapifies its evictable nodes (O(n), only at a switch; between switches an eviction stays
+O(log n)); SGLang builds its heap anew on every eviction pass, so the plugin needs nothing more.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from data.knobs import build
 from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
     PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import Folded, fold
+from serving_integration.cache.trust import TrustMeter, make_trust  # noqa: F401  (TrustMeter: re-exported)
 
 INF = math.inf
 
@@ -390,10 +392,22 @@ class EvictionPolicy:
         """The nodes whose priority a new prediction changed (WorkflowLedger.set_predictions)."""
         return []
 
-    def observe_call(self, workflow: str, agent: str) -> bool:
-        """Called when a call arrives; True when every node's priority changed at once (the
-        caller's heaps must be rebuilt)."""
+    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
+        """Called when a call arrives, with its prompt's content keys in prefix order and their
+        token counts (workload.prefix_keys; the plugin's are token blocks); True when every node's
+        priority changed at once (the caller's heaps must be rebuilt)."""
         return False
+
+    def observe_insert(self, workflow: str, agent: str, keys: Sequence, sizes: Sequence) -> None:
+        """Called when a call finished and its prompt and output are in the cache (content keys
+        in prefix order, as observe_call's)."""
+
+    def set_capacity(self, gpu_tokens: int) -> None:
+        """The GPU tokens of the cache the policy orders (PBKV's outcome shadows scale it)."""
+
+    def trust_report(self) -> dict | None:
+        """What a trust judge decided and measured (PBKV), else None."""
+        return None
 
     # What the baselines of baselines.py record besides the ledger (no-ops for the others).
 
@@ -483,57 +497,46 @@ class LifecycleLRU(_LedgerPolicy):
         return (0 if self.ledger.is_retired(node.id) else 1, node.last_access_time)
 
 
-class TrustMeter:
-    """How good the predictions have been, online: an exponential moving average (over about
-    `window` calls) of the probability the last prediction gave the agent that came next. The
-    predictions are trusted while it stays above `threshold - margin` and trusted again once it
-    climbs above `threshold + margin` (hysteresis, so the order does not flap). It starts at 1:
-    the predictions are trusted until calls show otherwise."""
-
-    def __init__(self, threshold: float = TrustConfig.trust_threshold, margin: float = TrustConfig.trust_margin,
-                 window: int = TrustConfig.trust_window):
-        TrustConfig(trust_threshold=threshold, trust_margin=margin, trust_window=window)  # their ranges (ConfigError)
-        self.threshold, self.margin, self.alpha = threshold, margin, 1.0 / window
-        self.quality, self.trusted, self.observed, self.switches = 1.0, True, 0, 0
-
-    def update(self, p: float) -> bool:
-        """Fold in one observation; True when the trust decision flipped."""
-        self.observed += 1
-        self.quality += self.alpha * (p - self.quality)
-        trusted = (self.quality >= self.threshold - self.margin if self.trusted
-                   else self.quality > self.threshold + self.margin)
-        flipped, self.trusted = trusted != self.trusted, trusted
-        self.switches += flipped
-        return flipped
-
-
 class PBKV(_LedgerPolicy):
     name = "pbkv"
     uses_predictions = True
     TRUST = TRUST_MODES
 
     def __init__(self, ledger: WorkflowLedger, **trust):
-        """`trust`: TrustConfig's fields (cache/config.py, their defaults and ranges), one mode."""
+        """`trust`: TrustConfig's fields (cache/config.py, their defaults and ranges), one mode;
+        the mode's judge (cache/trust.py) decides when the score order is followed."""
         super().__init__(ledger)
         options = build(trust, TrustConfig, "pbkv")
         if options.trust not in self.TRUST:
             raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{options.trust}'")
         self.trust = options.trust
-        self.meter = (TrustMeter(options.trust_threshold, options.trust_margin, options.trust_window)
-                      if self.trust == "adaptive" else None)
+        self.judge = make_trust(options, ledger, self._values)
+
+    def _values(self, workflow: str) -> dict | None:
+        """v_w (agent -> value), the workflow's folded predictions that Score sums, or None once it
+        is retired (the outcome shadows' order)."""
+        return self.ledger.reuse_value.get(workflow, {}) if self.ledger.is_live(workflow) else None
 
     @property
     def trusted(self) -> bool:
-        return self.meter is None or self.meter.trusted
+        return self.judge is None or self.judge.trusted
 
     def changed_by(self, changed):
         return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
 
-    def observe_call(self, workflow, agent):
-        if self.meter is None:
-            return False
-        p = self.ledger.check_prediction(workflow, agent)
-        return p is not None and self.meter.update(p)
+    def observe_call(self, workflow, agent, keys=(), sizes=()):
+        return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes)
+
+    def observe_insert(self, workflow, agent, keys, sizes):
+        if self.judge is not None:
+            self.judge.observe_insert(workflow, keys, sizes, agent)
+
+    def set_capacity(self, gpu_tokens):
+        if hasattr(self.judge, "set_capacity"):
+            self.judge.set_capacity(gpu_tokens)
+
+    def trust_report(self) -> dict | None:
+        return self.judge.report() if self.judge is not None else None
 
     def priority(self, node):
         if self.ledger.is_retired(node.id):

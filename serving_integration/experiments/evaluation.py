@@ -298,7 +298,8 @@ class Setting:
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
                        "replicas": sim.replicas, "routing": sim.routing,
-                       "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss}
+                       "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss,
+                       "hicache_ratio": sim.hicache_ratio}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)

@@ -27,8 +27,8 @@ def row_label(r: dict) -> str:
         name += f"+{r['prefetch']}"
     if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
-    if r["policy"] == "pbkv" and r.get("predictor") != "perfect" and r.get("trust") == "always":
-        name += " [always]"  # the paper's policy; adaptive trust is pbkv's default
+    if r["policy"] == "pbkv" and r.get("predictor") != "perfect" and r.get("trust") in ("always", "accuracy"):
+        name += f" [{r['trust']}]"  # always: the paper's policy; outcome trust is pbkv's default
     if r.get("noise_kind") == "adversarial":
         name += " adversarial"  # the noise level is the row's `noise`
     if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (the bound is bound_hit_rate)

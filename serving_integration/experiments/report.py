@@ -101,7 +101,7 @@ def md_table(head: list[str], body: list[list[str]]) -> str:
 
 # the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
 WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
-          "cost_model")
+          "cost_model", "hicache_ratio")
 
 
 def tokens_text(n) -> str:
@@ -122,6 +122,7 @@ SETTING_WORDS = {  # how a heading says one setting key's value
     "replicas": lambda v: f"{v} server{'s' if v != 1 else ''}",
     "routing": lambda v: f"{v} routing",
     "cost_model": lambda v: f"cost model {v}",
+    "hicache_ratio": lambda v: "host tier n/a" if v is None else "no host tier" if not v else f"host tier {v:g}x GPU",
 }
 
 
@@ -410,62 +411,84 @@ def regret_fit(rows) -> tuple[str, list]:
     return (md_table(head, body) if body else ""), fits
 
 
-# -------------------------------------------------------------------- robust PBKV: adaptive trust, per seed
+# -------------------------------------------------------------------- robust PBKV: the trust modes, per seed
 
-ROBUST_TOLERANCE = 0.01  # adaptive may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
-ROBUST_KEEP = 0.95  # and keep this share of always's gain over LRU where predictions help (KEEP_WORKLOADS)
-KEEP_WORKLOADS = ("hover", "swebench")
+ROBUST_TOLERANCE = 0.01  # a trust mode may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
+ROBUST_KEEP = 0.95  # and keep this share of always's gain over LRU wherever always wins by more than its interval
+JUDGED = ("outcome", "accuracy")  # the trust modes checked against lru, pbkv_lae and always (cache/trust.py)
 
 
 def robustness_rows(rows) -> list[tuple]:
-    """(setting, predictor, noise, noise kind, lru, pbkv_lae, adaptive, always) for every test setting
-    with plain lru and pbkv_lae rows and pbkv under both trust modes, no prefetch."""
+    """(setting, predictor, noise, noise kind, lru, pbkv_lae, {trust mode: row}) for every test
+    setting with plain lru and pbkv_lae rows, pbkv under always and under at least one judged trust
+    mode, no prefetch."""
     groups = defaultdict(dict)
     for r in rows:
         if r["comparison"] != "policies" or split_of(r) != "test" or r["prefetch"] != "none":
             continue
         if r["policy"] in ("lru", "pbkv_lae") and not r.get("noise"):
             groups[setting_of(r)].setdefault(r["policy"], r)
-        elif r["policy"] == "pbkv" and r.get("trust") in ("adaptive", "always"):
+        elif r["policy"] == "pbkv" and r.get("trust") in (*JUDGED, "always"):
             kind = r.get("noise_kind") if r.get("noise") else "none"
-            groups[setting_of(r)].setdefault((r["predictor"], r.get("noise") or 0.0, kind, r["trust"]), r)
+            groups[setting_of(r)].setdefault((r["predictor"], r.get("noise") or 0.0, kind), {}).setdefault(
+                r["trust"], r)
     out = []
     for key, group in groups.items():
         if "lru" not in group or "pbkv_lae" not in group:
             continue
-        for pred, noise, kind, trust in sorted(k for k in group if isinstance(k, tuple)):
-            always = group.get((pred, noise, kind, "always"))
-            if trust == "adaptive" and always is not None:
-                out.append((key, pred, noise, kind, group["lru"], group["pbkv_lae"], group[(pred, noise, kind, trust)],
-                            always))
+        for pred, noise, kind in sorted(k for k in group if isinstance(k, tuple)):
+            modes = group[(pred, noise, kind)]
+            if "always" in modes and any(m in modes for m in JUDGED):
+                out.append((key, pred, noise, kind, group["lru"], group["pbkv_lae"], modes))
     return out
 
 
+def always_wins(lru: list[float], always: list[float]) -> bool:
+    """Whether always's gain over LRU is larger than its 95% interval over the seeds (for one seed:
+    any gain)."""
+    mean, half = mean_ci([w - l for l, w in zip(lru, always)])
+    return mean > (half if half is not None else 1e-9)
+
+
+def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, bool]:
+    """Per seed: the judged mode minus max(lru, pbkv_lae), its share of always's gain over LRU (nan
+    where always gains nothing), and whether both criteria hold (the share only where always wins)."""
+    margin = [ai - max(li, ei) for li, ei, ai in zip(lru, lae, judged)]
+    keep = [(ai - li) / (wi - li) if wi - li > 1e-9 else math.nan for li, ai, wi in zip(lru, judged, always)]
+    kept = [k >= ROBUST_KEEP if not math.isnan(k) else ai >= wi - 1e-12 for k, ai, wi in zip(keep, judged, always)]
+    return margin, keep, all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin) and (not wins or all(kept))
+
+
 def robustness_check(rows) -> str:
-    """Per seed: adaptive - max(lru, pbkv_lae) in points, and the share of always's gain over LRU
-    that adaptive keeps; each against its criterion."""
+    """Per seed: each judged trust mode minus max(lru, pbkv_lae) in points, and the share of always's
+    gain over LRU it keeps; each against its criterion."""
     body = []
-    for key, pred, noise, kind, lru, lae, adaptive, always in robustness_rows(rows):
+    for key, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
         at = dict(zip(SETTING, key))
-        l, e, a, w = (per_seed(r, "hit_rate") for r in (lru, lae, adaptive, always))
-        margin = [ai - max(li, ei) for li, ei, ai in zip(l, e, a)]
-        # where always gains nothing over LRU there is no gain to keep: met when adaptive is no worse than always
-        keep = [(ai - li) / (wi - li) if wi - li > 1e-9 else math.nan for li, ai, wi in zip(l, a, w)]
-        kept = [k >= ROBUST_KEEP if not math.isnan(k) else ai >= wi - 1e-12 for k, ai, wi in zip(keep, a, w)]
-        keep_applies = at["workload"].split("-")[0] in KEEP_WORKLOADS and not noise
-        ok = all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin) and (not keep_applies or all(kept))
-        seeds = adaptive.get("seeds") or [adaptive.get("seed")]
-        body.append([at["workload"], str(at["gpu_tokens"]), pred, "none" if not noise else f"{kind} eps={noise:g}",
-                     ", ".join(str(s) for s in seeds),
-                     " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
-                     " / ".join(f"{x:.1%}" for x in a), " / ".join(f"{x:.1%}" for x in w),
-                     " / ".join(f"{100 * m:+.1f}" for m in margin),
-                     " / ".join("no gain" if math.isnan(k) else f"{k:.0%}" for k in keep) + ("" if keep_applies else " (not checked)"),
-                     "yes" if ok else "**no**"])
+        l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
+        wins = always_wins(l, w)
+        seeds = modes["always"].get("seeds") or [modes["always"].get("seed")]
+        cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")), pred,
+                 "none" if not noise else f"{kind} eps={noise:g}", ", ".join(str(x) for x in seeds),
+                 " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
+                 " / ".join(f"{x:.1%}" for x in w)]
+        for mode in JUDGED:
+            if mode not in modes:
+                cells += ["n/a"] * 4
+                continue
+            a = per_seed(modes[mode], "hit_rate")
+            margin, keep, ok = trust_verdict(l, e, a, w, wins)
+            cells += [" / ".join(f"{x:.1%}" for x in a), " / ".join(f"{100 * m:+.1f}" for m in margin),
+                      " / ".join("no gain" if math.isnan(k) else f"{k:.0%}" for k in keep)
+                      + ("" if wins else " (always within its interval: not checked)"),
+                      "yes" if ok else "**no**"]
+        body.append(cells)
     if not body:
-        return "No setting with lru, pbkv_lae and pbkv under both trust modes in these runs."
-    head = ["workload", "GPU tokens", "predictor", "noise", "seeds", "lru", "pbkv_lae", "pbkv adaptive",
-            "pbkv always", "adaptive - max(lru, pbkv_lae) (points)", "adaptive's share of always's gain", "criteria met"]
+        return "No setting with lru, pbkv_lae, pbkv always and pbkv under outcome or accuracy trust in these runs."
+    head = ["workload", "GPU tokens", "host tier", "predictor", "noise", "seeds", "lru", "pbkv_lae", "pbkv always"]
+    for mode in JUDGED:
+        head += [f"pbkv {mode}", f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
+                 f"{mode}: criteria met"]
     return md_table(head, body)
 
 
@@ -502,10 +525,13 @@ def robust_section(rows) -> str:
 
 ROBUST_NOTE = (
     "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv under "
-    "adaptive trust (it falls back to lifecycle-aware LRU while the predictions it measures online are poor) "
-    "against the better of lru and pbkv_lae, in points of GPU hit rate (criterion: >= -1 in every seed), and "
-    "the share of the gain of pbkv under always trust (the paper's policy) over LRU that adaptive keeps "
-    "(criterion on hover and swebench without noise: >= 95% in every seed; where always gains nothing over LRU, \"no gain\", met when adaptive is no worse than always). "
+    "outcome trust (it follows whichever of its score order and lifecycle-aware LRU has more GPU hits on shadow "
+    "caches over a sample of the workflows) and under accuracy trust (it falls back to lifecycle-aware LRU while "
+    "the predictions it checks online are poor), each against the better of lru and pbkv_lae, in points of GPU "
+    "hit rate (criterion: >= -1 in every seed), and the share of the gain of pbkv under always trust (the "
+    "paper's policy) over LRU that it keeps (criterion where always's gain over LRU exceeds its 95% interval "
+    "over the seeds: >= 95% in every seed; \"no gain\": always gains nothing over LRU in that seed, met when the "
+    "mode is no worse than always). "
     "The predictor table gives the test top-1 at k=1 of the predictor behind pbkv beside Markov's, per seed.")
 
 
@@ -521,7 +547,7 @@ def plot_rank(r: dict) -> int:
              ("oracle", "none"), ("pbkv", "conservative")]
     key = (r["policy"], r["prefetch"])
     rank = order.index(key) if key in order else len(order)
-    always = r["policy"] == "pbkv" and r.get("trust") == "always"  # the paper's variant, after adaptive
+    always = r["policy"] == "pbkv" and r.get("trust") in ("always", "accuracy")  # the alternatives, after outcome
     return rank + (len(order) if always or r.get("noise_kind") == "adversarial" else 0)
 
 
@@ -959,7 +985,7 @@ def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[s
     if not plots:
         plots = policy_bars(rows, tmp, splits_in(rows)[0])
     optional = [("## Prediction noise: regret and its linear fit", regret_md),
-                ("## Robust PBKV: adaptive trust per seed", robust_section(rows)),
+                ("## Robust PBKV: the trust modes per seed", robust_section(rows)),
                 ("## KV pruning (IntentKV)", kv_table(rows)),
                 ("## A cluster: replicas x routing x eviction", cluster_section(rows))]
     parts = ["## The paper's claims beside ours", CLAIMS_NOTE, claims_table(rows)] if claims else []

@@ -18,10 +18,11 @@ ROW_LABELS = {
     "split": "test",  # the replayed split: knobs are chosen on val, claims made on test
     "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
     "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
+    "hicache_ratio": None,  # host KV tier = ratio x GPU tokens (0: none; None: a row that does not say)
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
 SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
-           "end_signal_loss", "replicas", "routing")
+           "end_signal_loss", "replicas", "routing", "hicache_ratio")
 
 
 # metrics every row carries, null where a run cannot compute them (the bench client has no bound)

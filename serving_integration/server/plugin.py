@@ -132,6 +132,7 @@ def _runtime(owner):
 def after_checkpoint(result, cache, req, *args, **kwargs):
     runtime = _runtime(cache)
     if runtime is not None and getattr(req, "last_node", None) is not None:
+        runtime.attach(cache)
         runtime.on_cached(req, cache.tree_core.path_node_ids(req.last_node))
 
 

@@ -95,6 +95,8 @@ class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfi
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
     prefill_tokens_per_s: float = knob(10000.0, "continuum: prefill speed its TTL's reload cost assumes", above(0))
+    shadow_block_tokens: int = knob(256, "pbkv trust=outcome: the shadow caches name a prompt's content in blocks "
+                                    "of this many tokens (chained hashes of the token ids)", at_least(1))
 
     def __post_init__(self):
         super().__post_init__()
@@ -362,6 +364,39 @@ class WorkflowRuntime:
         self.hidden_size: int | None = None  # of the vectors SGLang returned
         self._stats_written = -math.inf
         self._ttl_checked = -math.inf
+        self._capacity_known = False
+
+    def attach(self, cache) -> None:
+        """The radix cache this runtime orders, seen from a hook: its device tokens reach the policy
+        once (the outcome shadows hold outcome_sample x them)."""
+        if self._capacity_known:
+            return
+        allocator = getattr(cache, "token_to_kv_pool_allocator", None)
+        size = getattr(allocator, "size", None)
+        if isinstance(size, int) and size > 0:
+            self.policy.set_capacity(size)
+            self._capacity_known = True
+
+    def _shadow_keys(self, workflow_id: str, tokens) -> tuple[list, list]:
+        """The content keys the outcome shadows need of a call of this workflow: none unless pbkv
+        judges by outcome and samples the workflow (the tokens are hashed only then)."""
+        judge = getattr(self.policy, "judge", None)
+        if getattr(judge, "mode", None) != "outcome" or not judge.is_sampled(workflow_id):
+            return [], []
+        return self.content_keys(tokens)
+
+    def content_keys(self, tokens) -> tuple[list, list]:
+        """A token sequence as the outcome shadows name it: chained hashes of its blocks of
+        `shadow_block_tokens` tokens (the same prefix gives the same keys whatever the tree's
+        node boundaries), and each block's tokens."""
+        block, keys, sizes, key = self.config.shadow_block_tokens, [], [], 0
+        tokens = list(tokens or ())
+        for start in range(0, len(tokens), block):
+            piece = tuple(tokens[start:start + block])
+            key = hash((key, piece))
+            keys.append(key)
+            sizes.append(len(piece))
+        return keys, sizes
 
     @classmethod
     def from_config(cls, policy_name: str, **config) -> "WorkflowRuntime":
@@ -413,8 +448,12 @@ class WorkflowRuntime:
         if req.rid not in wf.running:  # the call's first checkpoint: it has arrived
             wf.running.add(req.rid)
             self.policy.on_time(self.clock())  # continuum: the clock its tool times are read from
-            if self.policy.observe_call(wf.id, tag.agent):
+            keys, sizes = self._shadow_keys(wf.id, getattr(req, "origin_input_ids", None))
+            if self.policy.observe_call(wf.id, tag.agent, keys, sizes):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
+            report = self.policy.trust_report()
+            if report is not None:
+                self.stats.count(f"calls_following_{report['following']}")
         for node_id in path_node_ids:
             self.ledger.record_access(node_id, wf.id, tag.agent)
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
@@ -438,6 +477,10 @@ class WorkflowRuntime:
             if req.rid not in self.hidden_of:
                 self.stats.count("hidden_missing")  # predicted without it (zeros, as in training)
             wf.hidden = self.hidden_of.pop(req.rid, None)
+        keys, sizes = self._shadow_keys(wf.id, list(getattr(req, "origin_input_ids", None) or ())
+                                        + list(getattr(req, "output_ids", None) or ()))
+        if keys:
+            self.policy.observe_insert(wf.id, tag.agent, keys, sizes)
         self.recent_tags.append({"workflow_id": tag.workflow_id, "agent": tag.agent, "step": tag.step,
                                  "workflow_end": tag.workflow_end, "nodes": len(self.ledger.nodes_of.get(wf.id, {}))})
         self.stats.count("calls_finished")
@@ -610,9 +653,10 @@ class WorkflowRuntime:
     def snapshot(self) -> dict:
         counts = self.stats.as_dict()
         prefetched = counts.get("prefetched_tokens", 0)
-        meter = getattr(self.policy, "meter", None)
+        trust = self.policy.trust_report()
         return {"policy": self.policy_name, "prefetch": self.prefetch.mode, "degraded": self.degraded,
-                "trusted": meter.trusted if meter else None, "prediction_quality": meter.quality if meter else None,
+                "trusted": self.policy.trusted if trust else None,
+                "prediction_quality": trust.get("prediction_quality") if trust else None, "trust": trust,
                 "has_predictor": self.predictor is not None, "live_workflows": len(self.workflows),
                 "prefetch_precision": counts.get("prefetch_used_tokens", 0) / prefetched if prefetched else None,
                 "config": asdict(self.config), "counters": counts, "recent_tags": list(self.recent_tags),

@@ -54,6 +54,7 @@ from serving_integration.cache.metrics import replay_metrics
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
+from serving_integration.cache.trust import trust_summary
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
 from serving_integration.simulator.bound import sequence_from_trace, upper_bound
 from serving_integration.simulator.config import SimConfig
@@ -167,6 +168,7 @@ class Server:
         self.ledger = WorkflowLedger(gamma)
         self.policy = make_policy(policy, self.ledger, next_use=next_use, **(policy_options or {}))
         self.policy.attach(gpu_tokens, cost.prefill_s)
+        self.policy.set_capacity(gpu_tokens)
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
@@ -313,7 +315,7 @@ class Server:
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
-        if self.policy.observe_call(r.wf.id, call.agent):  # pbkv's adaptive trust switched its order
+        if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens):  # pbkv's trust switched its order
             tree.reprioritize()
         if self.tracks_workflows:
             self.ledger.record_path([node.id for node in path], r.wf.id, call.agent)
@@ -421,6 +423,7 @@ class Server:
         tree.refresh_ids(self.policy.on_call_finished(wf.id, call.agent, node_ids, sum(lens),
                                                       wf.next_call + 1 < len(wf.calls)))
         tree.refresh_many(path)
+        self.policy.observe_insert(wf.id, call.agent, keys, lens)
         self.ever_cached.update(keys)
         self.trace.append(r)
         c = self.counters
@@ -807,8 +810,6 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
     calls = [s.calls for s in sim.servers]
     result.update(replica_calls=calls, load_imbalance=max(calls) / (sum(calls) / len(calls)) if sum(calls) else 1.0,
                   migrations=sim.router.migrations)
-    meters = [m for m in (getattr(s.policy, "meter", None) for s in sim.servers) if m is not None]
-    if meters:  # pbkv's adaptive trust (one per replica): what it measured
-        result.update(prediction_quality=float(np.mean([m.quality for m in meters])),
-                      trust_switches=sum(m.switches for m in meters), trusted_at_end=all(m.trusted for m in meters))
+    # pbkv's trust (one judge per replica): what it measured and followed
+    result.update(trust_summary([r for r in (s.policy.trust_report() for s in sim.servers) if r is not None]))
     return {**result, **bound_metrics(sim)} if bound else result

@@ -84,6 +84,11 @@ def policies(names, sequences, markov):
         "continuum+program_fcfs": {"policy": "continuum", "scheduling": "program_fcfs"},
         **{name: {"policy": name} for name in ("fifo", "mru", "filo", "slru", "priority")},
         "pbkv": {"policy": "pbkv", "predictions": ModelSource(markov)},
+        # outcome trust on a hair trigger (every workflow sampled, no margin): it flips, from the past alone
+        "pbkv+outcome-flipping": {"policy": "pbkv", "predictions": ModelSource(markov), "policy_options": {
+            "trust": "outcome", "outcome_sample": 1.0, "outcome_min_calls": 1, "outcome_z": 0.0,
+            "outcome_margin": 0.0, "outcome_window": 8}},
+        "pbkv+accuracy": {"policy": "pbkv", "predictions": ModelSource(markov), "policy_options": {"trust": "accuracy"}},
         "pbkv+conservative": {"policy": "pbkv", "prefetch": "conservative", "predictions": ModelSource(markov)},
     }
     clairvoyant = {"oracle": {"policy": "oracle", "predictions": PerfectSource(names, 3)},
@@ -110,6 +115,8 @@ def test_online_policies_decide_the_same_until_the_future_changes(setting):
         if name in online:
             assert a == b, f"{name} decided differently before t = {t:.1f} s: it reads the future"
             assert first.decisions != second.decisions  # the future did change
+            if name == "pbkv+outcome-flipping":  # its order did flip during the replay
+                assert first.servers[0].policy.judge.switches > 0
         else:
             reads_future[name] = a != b
     # the clairvoyant policies must decide differently before t, else this test could not catch a leak

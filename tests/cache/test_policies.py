@@ -185,7 +185,7 @@ def test_kvflow_agent_step_graph_declared_pipeline_and_transitions():
     ledger.set_predictions(["w"], names, pipeline.predict([at("retriever")]), pipeline.steps_to_execution([at("retriever")]))
     assert ledger.steps_to_execution(7, hold_step=5) == 3
 def test_trust_meter_switches_with_hysteresis():
-    from serving_integration.cache.policies import TrustMeter
+    from serving_integration.cache.trust import TrustMeter
 
     meter = TrustMeter(threshold=0.5, margin=0.1, window=4)
     assert meter.trusted  # trusted until calls show otherwise
@@ -199,12 +199,12 @@ def test_trust_meter_switches_with_hysteresis():
         TrustMeter(threshold=0.95, margin=0.1)
 
 
-def test_adaptive_pbkv_falls_back_to_lifecycle_lru_when_predictions_miss():
+def test_accuracy_trust_falls_back_to_lifecycle_lru_when_predictions_miss():
     ledger = WorkflowLedger(gamma=0.5)
-    adaptive, always = PBKV(ledger, trust="adaptive", trust_window=2), PBKV(ledger, trust="always")
+    accuracy, always = PBKV(ledger, trust="accuracy", trust_window=2), PBKV(ledger, trust="always")
     with pytest.raises(ValueError, match="pbkv.trust"):
         PBKV(ledger, trust="sometimes")
-    tree, (old, new) = tree_with(adaptive, "ab", "cd")
+    tree, (old, new) = tree_with(accuracy, "ab", "cd")
     ledger.start("w")
     ledger.record_access(old.id, "w", "planner")
     ledger.record_access(new.id, "w", "coder")
@@ -215,13 +215,13 @@ def test_adaptive_pbkv_falls_back_to_lifecycle_lru_when_predictions_miss():
         assert ledger.check_prediction("w", "coder") is None  # one test per prediction
     assert always.observe_call("w", "coder") is False and always.trusted  # the paper's policy never doubts
     ledger.set_predictions(["w"], AGENTS, one_hot("planner", "END", "END")[None])
-    assert adaptive.trusted
-    assert adaptive.observe_call("w", "coder") is False  # quality 0.5: inside the margin
+    assert accuracy.trusted
+    assert accuracy.observe_call("w", "coder") is False  # quality 0.5: inside the margin
     ledger.set_predictions(["w"], AGENTS, one_hot("planner", "END", "END")[None])
-    assert adaptive.observe_call("w", "coder") is True and not adaptive.trusted  # 0.25 < 0.4: flipped
+    assert accuracy.observe_call("w", "coder") is True and not accuracy.trusted  # 0.25 < 0.4: flipped
     # the trusting order keeps the predicted node; untrusted, it is lifecycle-aware LRU (older first)
     assert always.priority(old) > always.priority(new)
-    assert adaptive.priority(old) < adaptive.priority(new)
+    assert accuracy.priority(old) < accuracy.priority(new)
     tree.reprioritize()
     assert eviction_order(tree) == ["ab", "cd"]
 

@@ -60,8 +60,8 @@ CASES = [
     ("continuum.hold_cost", 0, "continuum.hold_cost=0.0: Input should be greater than 0"),
     ("sim.scheduling", "lifo", "sim.scheduling=lifo: should be one of fcfs, program_fcfs"),
     ("tlru.next_prompt_estimate", -1, "tlru.next_prompt_estimate=-1: Input should be greater than or equal to 0"),
-    ("pbkv.trust", "sometimes", "pbkv.trust=sometimes: should be one of adaptive, always"),
-    ("pbkv.trust", ["adaptive", "never"], "pbkv.trust[1]=never: should be one of adaptive, always"),
+    ("pbkv.trust", "sometimes", "pbkv.trust=sometimes: should be one of outcome, accuracy, always"),
+    ("pbkv.trust", ["accuracy", "never"], "pbkv.trust[1]=never: should be one of outcome, accuracy, always"),
     ("pbkv.trust_threshold", 0.95, "pbkv.trust_threshold=0.95, trust_margin=0.1: threshold +- margin must lie in "
                                    "[0, 1]"),
     ("pbkv.trust_window", 0, "pbkv.trust_window=0: Input should be greater than or equal to 1"),
@@ -114,8 +114,9 @@ def test_a_wrong_type_or_unknown_key_fails_when_hydra_composes(override, key):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("+pbkv.horizn=3", "pbkv.horizn: not a setting of pbkv (known: gamma, horizon, trust, trust_margin, "
-                       "trust_threshold, trust_window)"),
+    ("+pbkv.horizn=3", "pbkv.horizn: not a setting of pbkv (known: gamma, horizon, outcome_margin, "
+                       "outcome_min_calls, outcome_sample, outcome_seed, outcome_window, outcome_z, trust, "
+                       "trust_margin, trust_threshold, trust_window)"),
     ("+colour=red", "colour: not a setting of evaluate.py"),
 ])
 def test_a_key_added_with_plus_is_refused_by_the_checks(override, message):

@@ -101,7 +101,7 @@ def test_one_nan_round_is_one_fallback_round(tmp_path):
     the next healthy round is used (the predictor is back, the backoff's weights finite)."""
     checkpoint = save_predictor(MarkovPredictor.from_sequences(["<unk>", "a", "b"], 2, [[1, 1, 1, 1, 2]] * 4,
                                                                order=1), tmp_path / "predictor.pt")
-    config = PluginConfig(checkpoint=str(checkpoint), predictor_timeout_s=0)
+    config = PluginConfig(checkpoint=str(checkpoint), predictor_timeout_s=0, trust="accuracy")
     backoff = OnlineBackoff(NaNOnce(ModelSource(load_predictor(checkpoint)), bad_round=3), config.online_beta)
     runtime = WorkflowRuntime("pbkv", config, backoff)  # the warm-up is round 1
     served(runtime, "r1", "A", "a", 0, [1])
@@ -115,7 +115,7 @@ def test_one_nan_round_is_one_fallback_round(tmp_path):
     runtime.run_predictions()  # round 4: healthy again, and used
     assert not runtime.degraded and runtime.stats["predictor_nan"] == 1 and runtime.stats["predictor_calls"] == 2
     assert np.isfinite(backoff.log_weight).all() and np.isfinite(backoff.weights).all()
-    assert math.isfinite(runtime.policy.meter.quality) and runtime.policy.meter.trusted
+    assert math.isfinite(runtime.policy.judge.meter.quality) and runtime.policy.judge.meter.trusted
     served(runtime, "r4", "A", "a", 3, [4])
     runtime.run_predictions()  # and the rounds after it
     assert not runtime.degraded and runtime.stats["predictor_calls"] == 3

@@ -36,10 +36,10 @@ def test_every_policy_one_table_and_plots(tmp_path, cache):
     assert [(r["policy"], r["prefetch"], r["trust"]) for r in rows] == [
         ("lru", "none", "none"), ("lfu", "none", "none"), ("tlru", "none", "none"), ("kvflow", "kvflow", "none"),
         ("kvflow", "none", "none"), ("kvflow_ideal", "aggressive", "none"), ("kvflow_ideal", "none", "none"),
-        ("continuum", "none", "none"), ("lru_prefetch", "last_call", "none"), ("pbkv_lae", "none", "none"), ("pbkv", "none", "adaptive"), ("pbkv", "conservative", "adaptive"),
+        ("continuum", "none", "none"), ("lru_prefetch", "last_call", "none"), ("pbkv_lae", "none", "none"), ("pbkv", "none", "outcome"), ("pbkv", "conservative", "outcome"),
         ("pbkv", "none", "always"), ("pbkv", "conservative", "always"), ("pbkv_perfect", "none", "always"),
         ("pbkv_perfect", "conservative", "always"), ("oracle", "none", "none"), ("oracle", "conservative", "none")]
-    assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"adaptive": True, "always": False}
+    assert {r["trust"]: "trust_switches" in r for r in rows if r["policy"] == "pbkv"} == {"outcome": True, "always": False}
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"]
@@ -147,7 +147,7 @@ def test_rows_carry_the_datasets_own_workload_name(tmp_path):
 
 def test_evaluate_runs_a_cluster(tmp_path, cache):
     summary, stdout = evaluate(tmp_path / "run", "sim.replicas=2", "sim.routing=pbkv", "policies=[lru,pbkv]",
-                               "pbkv.trust=adaptive", "prefetch=[none]", cache=cache)
+                               "pbkv.trust=outcome", "prefetch=[none]", cache=cache)
     rows = summary["rows"]
     assert [(r["policy"], r["replicas"], r["routing"]) for r in rows] == [("lru", 2, "pbkv"), ("pbkv", 2, "pbkv")]
     for r in rows:

@@ -69,7 +69,7 @@ def test_own_chat_logs_import_train_evaluate(tmp_path):
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["predictor"]["family"] == "graphsage" and summary["predictor"]["online_backoff"]
     rows = {(r["policy"], r["trust"]): r for r in summary["rows"]}
-    assert set(rows) == {("lru", "none"), ("pbkv_lae", "none"), ("pbkv", "adaptive"), ("pbkv", "always")}
+    assert set(rows) == {("lru", "none"), ("pbkv_lae", "none"), ("pbkv", "outcome"), ("pbkv", "always")}
     assert all(r["workload"] == "help_desk" and r["calls"] >= 12 * 4 for r in rows.values())
     # pbkv rows carry their predictor's test top-1 (train.py's, on this dataset's test split)
-    assert rows[("pbkv", "adaptive")]["predictor_top1_k1"] == summary["predictor"]["test_metrics"]["test/top1_k1"]
+    assert rows[("pbkv", "outcome")]["predictor_top1_k1"] == summary["predictor"]["test_metrics"]["test/top1_k1"]

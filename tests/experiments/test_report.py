@@ -92,34 +92,57 @@ def robust_row(policy, hits, trust="none", predictor="none", top1=None):
     return {**make_row(labels, metrics), "seeds": [0, 1, 2]}
 
 
+def cells_of(table, marker):
+    line = next(line for line in table.splitlines() if marker in line)
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def test_robustness_check_is_per_seed_against_its_criteria():
-    from serving_integration.experiments.report import predictor_check, robustness_check
+    from serving_integration.experiments.report import JUDGED, predictor_check, robustness_check
 
     rows = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.22, 0.21, 0.20]),
-            robust_row("pbkv", [0.40, 0.215, 0.185], "adaptive", "graphsage", top1=[0.9, 0.8, 0.7]),
+            robust_row("pbkv", [0.40, 0.215, 0.185], "outcome", "graphsage", top1=[0.9, 0.8, 0.7]),
+            robust_row("pbkv", [0.40, 0.30, 0.30], "accuracy", "graphsage", top1=[0.9, 0.8, 0.7]),
             robust_row("pbkv", [0.40, 0.30, 0.30], "always", "graphsage", top1=[0.9, 0.8, 0.7]),
-            robust_row("pbkv", [0.30, 0.30, 0.30], "adaptive", "markov", top1=[0.85, 0.85, 0.6]),
+            robust_row("pbkv", [0.30, 0.30, 0.30], "outcome", "markov", top1=[0.85, 0.85, 0.6]),
             robust_row("pbkv", [0.30, 0.30, 0.30], "always", "markov", top1=[0.85, 0.85, 0.6])]
     table = robustness_check(rows)
-    graphsage = next(line for line in table.splitlines() if "| graphsage |" in line)
+    assert JUDGED == ("outcome", "accuracy")
+    graphsage = cells_of(table, "| graphsage |")
+    outcome, accuracy = graphsage[9:13], graphsage[13:17]
     # margins over max(lru, pbkv_lae) in points; shares of always's gain kept; seed 2 fails both criteria
-    assert "+18.0 / +0.5 / -1.5" in graphsage and "100% / 15% / -15%" in graphsage and "**no**" in graphsage
-    markov = next(line for line in table.splitlines() if "| markov |" in line)
-    assert "+8.0 / +9.0 / +10.0" in markov and markov.rstrip(" |").endswith("yes")
+    assert outcome[1] == "+18.0 / +0.5 / -1.5" and outcome[2].startswith("100% / 15% / -15%") and outcome[3] == "**no**"
+    assert accuracy[1] == "+18.0 / +9.0 / +10.0" and accuracy[2].startswith("100% / 100% / 100%") and accuracy[3] == "yes"
+    markov = cells_of(table, "| markov |")
+    assert markov[10] == "+8.0 / +9.0 / +10.0" and markov[12] == "yes" and markov[13:] == ["n/a"] * 4
+    # always's gain (20, 10, 10 points) is larger than its 95% interval over the seeds: the share is checked
+    assert "not checked" not in markov[11] and markov[11] == "100% / 100% / 100%"
     top1 = predictor_check(rows)
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
 
 
-def test_no_gain_to_keep_is_met_only_when_adaptive_is_no_worse_than_always():
-    """Where always does not beat LRU there is no gain to keep: adaptive must then not fall below always."""
+def test_the_share_of_always_gain_is_checked_only_where_always_wins_beyond_its_interval():
+    from serving_integration.experiments.report import robustness_check
+
+    base = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.20, 0.20, 0.20])]
+    noisy = robust_row("pbkv", [0.26, 0.20, 0.20], "always", "graphsage")  # +6, 0, 0 points: within its interval
+    kept_none = robust_row("pbkv", [0.20, 0.20, 0.20], "outcome", "graphsage")
+    assert cells_of(robustness_check(base + [noisy, kept_none]), "| graphsage |")[12] == "yes"
+    steady = robust_row("pbkv", [0.26, 0.25, 0.26], "always", "graphsage")
+    assert cells_of(robustness_check(base + [steady, kept_none]), "| graphsage |")[12] == "**no**"
+
+
+def test_no_gain_to_keep_is_met_only_when_the_mode_is_no_worse_than_always():
+    """Where always does not beat LRU there is no gain to keep: the mode must then not fall below always."""
     from serving_integration.experiments.report import robustness_check
 
     base = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.20, 0.20, 0.20])]
     always = robust_row("pbkv", [0.195, 0.19, 0.20], "always", "graphsage")
-    same = robustness_check(base + [robust_row("pbkv", [0.195, 0.19, 0.20], "adaptive", "graphsage"), always])
-    assert "no gain / no gain / no gain" in same and same.rstrip(" |\n").endswith("yes")
-    worse = robustness_check(base + [robust_row("pbkv", [0.195, 0.185, 0.20], "adaptive", "graphsage"), always])
-    assert worse.rstrip(" |\n").endswith("**no**")
+    same = robustness_check(base + [robust_row("pbkv", [0.195, 0.19, 0.20], "outcome", "graphsage"), always])
+    assert cells_of(same, "| graphsage |")[11].startswith("no gain / no gain / no gain")
+    assert cells_of(same, "| graphsage |")[12] == "yes"
+    worse = robustness_check(base + [robust_row("pbkv", [0.195, 0.185, 0.20], "outcome", "graphsage"), always])
+    assert cells_of(worse, "| graphsage |")[12] == "**no**"
 
 
 def sweep_rows(policies, sizes=(100000, 200000), splits=("val", "test")):

@@ -240,8 +240,9 @@ def test_unified_radix_cache_evicts_in_pbkv_order(checkpoint):
     assert baseline.eviction_order() == ["A", "B", "C"]  # the same calls under SGLang's LRU
 
 
-def test_adaptive_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoint):
-    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "trust_window": 1})
+def test_accuracy_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "trust": "accuracy",
+                               "trust_window": 1})
     serving.serve(prompt(10), [1, 2], tag("W", "a"))
     serving.step()  # predicted: after a, a again (3 of 4)
     serving.serve(prompt(10) + [1, 2, 3], [4], tag("W", "b", step=1))  # but b comes
@@ -277,6 +278,22 @@ def test_continuum_pins_a_programs_cache_through_its_tool_call_in_sglangs_cache(
         now[0] = steps_at
         serving.step()
         assert serving.eviction_order() == order
+
+
+def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follows(checkpoint):
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "outcome_sample": 1.0,
+                               "shadow_block_tokens": 4})
+    assert serving.runtime.policy.trust == "outcome"  # the default
+    serving.serve(prompt(10), [1, 2], tag("W", "a"))  # 8 prompt tokens: 2 blocks; with the output, 3
+    serving.step()
+    serving.serve(prompt(10) + [1, 2, 3], [4], tag("W", "a", step=1))  # its first 2 blocks are held
+    judge = serving.runtime.policy.judge
+    assert judge.score_shadow.capacity == 256  # the device pool's tokens x outcome_sample
+    assert sorted(judge.lru_shadow.held) == sorted(judge.score_shadow.held) and len(judge.entries) == 5
+    trust = serving.runtime.snapshot()["trust"]
+    assert trust["following"] == "pbkv" and trust["trust_switches"] == 0 and trust["shadow_sampled_calls"] == 2
+    assert trust["shadow_hit_tokens_pbkv"] == trust["shadow_hit_tokens_lae"] == 8
+    assert serving.runtime.stats["calls_following_pbkv"] == 2 and serving.runtime.snapshot()["trusted"] is True
 
 
 def test_lifecycle_lru_evicts_retired_then_lru():

@@ -229,7 +229,7 @@ def test_end_signal_arrives_after_the_last_call_and_lost_ones_time_out():
     timed = run(end_signal_loss=1.0, inactivity_timeout_s=5.0)
     assert timed.counters().ended_by_signal == 0 and timed.counters().ended_by_timeout > 0
     assert all(timed.retired_at[w] >= timed.done_at[w] + 5.0 for w in timed.done_at if w in timed.retired_at)
-def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
+def test_adversarial_noise_misleads_always_and_accuracy_trust_recovers():
     from serving_integration.cache.predictions import NoisySource
 
     workflows = small_workload("hover", 60, 3)
@@ -247,11 +247,11 @@ def test_adversarial_noise_misleads_always_and_adaptive_trust_recovers():
     config = SimConfig(gpu_tokens=150_000, concurrency=16)
     run = lambda trust: simulate(workflows, config, H100, policy="pbkv", policy_options={"trust": trust},
                                  predictions=NoisySource(PerfectSource(names, 3), 1.0, seed=0, kind="adversarial"))
-    always, adaptive = run("always"), run("adaptive")
+    always, accuracy = run("always"), run("accuracy")
     lae = simulate(workflows, config, H100, policy="pbkv_lae")
-    assert adaptive["trust_switches"] >= 1 and not adaptive["trusted_at_end"] and adaptive["prediction_quality"] < 0.1
+    assert accuracy["trust_switches"] >= 1 and not accuracy["trusted_at_end"] and accuracy["prediction_quality"] < 0.1
     assert always["hit_rate"] < lae["hit_rate"] - 0.01  # misled by the noise
-    assert adaptive["hit_rate"] >= lae["hit_rate"] - 0.01
+    assert accuracy["hit_rate"] >= lae["hit_rate"] - 0.01
 
 
 def test_online_backoff_learns_served_transitions_and_new_agents():
@@ -339,11 +339,61 @@ def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
     network = GraphSAGEPredictor(names, 3, graph=graph.to_dict(), dim=16, hidden=32, identity=False).eval()
     config = SimConfig(gpu_tokens=120_000, concurrency=8)
     tabled_source = ModelSource(network, tabulate=True)
-    tabled = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative", predictions=tabled_source)
+    accuracy = {"trust": "accuracy"}  # the trust mode whose summary reads the probabilities themselves
+    tabled = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative", predictions=tabled_source,
+                      policy_options=accuracy)
     per_step = simulate(workflows, config, H100, policy="pbkv", prefetch="conservative",
-                        predictions=ModelSource(network))
+                        predictions=ModelSource(network), policy_options=accuracy)
     assert tabled_source.table is not None and tabled_source.table.covers(workflows)
     quality = tabled.pop("prediction_quality"), per_step.pop("prediction_quality")
     assert quality[0] == pytest.approx(quality[1], abs=1e-6)
     tabled.pop("predictor_time_s", None), per_step.pop("predictor_time_s", None)
     assert tabled == per_step
+
+
+def shared_prefix_workload(n, rereads, max_coder_calls=8, shared=4000, task=200, fresh=2000):
+    """A planner call reads a prefix every workflow shares, then 1..8 coder calls follow (perfectly
+    predictable). With `rereads` each coder prompt extends the last one, so the branch the score
+    keeps for the predicted coder is read again; without it each coder prompt is fresh after the
+    workflow's task, so that branch is never re-read, while the shared prefix (whose planner no live
+    workflow calls again: score 0) is re-read by every new workflow."""
+    workflows = []
+    for i in range(n):
+        calls = [("planner", ("shared", f"t{i}"), (shared, task))]
+        units, lens = (f"t{i}",), (task,)
+        for j in range(1 + (i * 7) % max_coder_calls):
+            units, lens = ((units if rereads else (f"t{i}",)) + (f"c{i}/{j}",),
+                           (lens if rereads else (task,)) + (fresh,))
+            calls.append(("coder", units, lens))
+        workflows.append(SimWorkflow(f"w{i}", i, "task", [
+            SimCall(agent=a, units=u, lens=l, keys=prefix_keys(u), output_unit=f"o{i}/{k}", output_tokens=50,
+                    tool_time=0.0 if k == 0 else 0.3 + 0.1 * ((i + k) % 5), hidden=None)
+            for k, (a, u, l) in enumerate(calls)]))
+    return workflows
+
+
+def trust_runs(workflows, gpu_tokens):
+    names = vocabulary(["planner", "coder"])
+    config = SimConfig(gpu_tokens=gpu_tokens, concurrency=8, hicache_ratio=0)
+    runs = {"lae": simulate(workflows, config, H100, bound=False, policy="pbkv_lae")}
+    for trust in ("always", "accuracy", "outcome"):
+        runs[trust] = simulate(workflows, config, H100, bound=False, policy="pbkv", policy_options={"trust": trust},
+                               predictions=PerfectSource(names, 3))
+    return runs
+
+
+def test_outcome_trust_falls_back_where_right_predictions_keep_the_wrong_cache():
+    runs = trust_runs(shared_prefix_workload(200, rereads=False), 60_000)
+    always, accuracy, outcome, lae = runs["always"]["hit_rate"], runs["accuracy"], runs["outcome"], runs["lae"]["hit_rate"]
+    assert always < lae - 0.05  # the score order loses although every prediction is right ...
+    assert accuracy["prediction_quality"] == 1.0 and accuracy["trusted_at_end"]  # ... so accuracy keeps it
+    assert not outcome["trusted_at_end"] and outcome["trust_switches"] >= 1  # outcome follows lifecycle-aware LRU
+    assert outcome["shadow_hit_rate_lae"] > outcome["shadow_hit_rate_pbkv"] + 0.05
+    assert outcome["hit_rate"] > always + 0.03
+
+
+def test_outcome_trust_keeps_the_score_where_it_wins():
+    runs = trust_runs(shared_prefix_workload(200, rereads=True), 40_000)
+    always, outcome, lae = runs["always"]["hit_rate"], runs["outcome"], runs["lae"]["hit_rate"]
+    assert always > lae + 0.01
+    assert outcome["trusted_at_end"] and outcome["trust_switches"] == 0 and outcome["hit_rate"] == always

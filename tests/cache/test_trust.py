@@ -1,0 +1,129 @@
+"""PBKV's trust modes (cache/trust.py): the outcome shadows' hit counts and keep orders checked by
+hand on a tiny sequence, the workflow sample, and the decision with its hysteresis."""
+
+import pytest
+
+from data.errors import ConfigError
+from serving_integration.cache.config import TrustConfig
+from serving_integration.cache.trust import OutcomeTrust, sampled
+
+VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent], as PBKV's ledger folds them
+
+
+def judge(capacity=12, **options):
+    options = {"outcome_sample": 1.0, "outcome_window": 10**6, "outcome_min_calls": 1, "outcome_z": 0.0,
+               "outcome_margin": 0.001, "outcome_slack": 0.0, **options}
+    live = dict.fromkeys(VALUES)
+    trust = OutcomeTrust(TrustConfig(**options), lambda w: VALUES[w] if w in live else None)
+    trust.set_capacity(capacity / trust.share)  # the shadows hold share x the GPU tokens
+    return trust, live
+
+
+def held(trust):
+    return sorted(trust.score_shadow.held), sorted(trust.lru_shadow.held)
+
+
+def test_shadow_hits_and_keep_orders_by_hand():
+    trust, _ = judge()
+    call = lambda w, agent, *keys: trust.observe_call(w, agent, keys, [4] * len(keys))
+    call("w1", "c", "X")
+    call("w1", "a", "S")
+    call("w2", "b", "T")
+    assert held(trust) == (["S", "T", "X"], ["S", "T", "X"]) and trust.lru_shadow.used == 12
+    call("w2", "a", "S")  # a hit in both; S is shared now
+    assert (trust.score_shadow.total_hit_tokens, trust.lru_shadow.total_hit_tokens) == (4, 4)
+    # V needs room: LRU drops X (the oldest); the score drops S (no live reader's agent is predicted:
+    # 0 + 0), not X (v_w1[c] = 1) or T (v_w2[b] = 1)
+    call("w1", "a", "V")
+    assert held(trust) == (["T", "V", "X"], ["S", "T", "V"])
+    assert trust.trusted
+    # S again: a hit for LRU only (8 against 4 tokens so far): past the (tiny) margin the order flips to LRU
+    assert call("w2", "a", "S") is True and not trust.trusted and trust.switches == 1
+    assert (trust.score_shadow.total_hit_tokens, trust.lru_shadow.total_hit_tokens) == (4, 8)
+    assert held(trust)[0] == ["S", "T", "X"]  # the score shadow made room by V (score 0), kept X and T
+    # X again: a hit for the score only; 8 against 8 is no win, so LRU stays followed (hysteresis)
+    assert call("w1", "c", "X") is False and not trust.trusted
+    assert (trust.score_shadow.total_hit_tokens, trust.lru_shadow.total_hit_tokens) == (8, 8)
+    assert trust.report()["following"] == "pbkv_lae" and trust.report()["shadow_sampled_calls"] == 7
+
+
+def test_a_prompt_hits_only_as_far_as_its_prefix_is_held():
+    trust, _ = judge(capacity=100)
+    trust.observe_call("w1", "a", ["P", "Q"], [10, 5])
+    trust.score_shadow.evict("P")  # a hole at the root of the chain
+    trust.observe_call("w2", "b", ["P", "Q", "R"], [10, 5, 7])
+    assert trust.score_shadow.total_hit_tokens == 0 and trust.lru_shadow.total_hit_tokens == 15
+
+
+def test_retired_readers_go_first_in_both_orders_and_outputs_are_held():
+    trust, live = judge(capacity=12)
+    trust.observe_call("w2", "b", ["T"], [4])
+    trust.observe_call("w1", "c", ["X"], [4])
+    trust.observe_insert("w1", ["X", "Xout"], [4, 4], "c")  # the call's output joins its prompt
+    assert held(trust) == (["T", "X", "Xout"], ["T", "X", "Xout"])
+    del live["w1"]  # the cache retired w1: its keys have no live reader
+    trust.observe_call("w2", "b", ["T", "U"], [4, 4])
+    # LRU would drop T (the oldest) but it is the call's own prefix; both drop retired Xout first
+    # (Xout is older than X: prefixes are touched after what extends them)
+    assert held(trust) == (["T", "U", "X"], ["T", "U", "X"])
+
+
+def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
+    trust, _ = judge(capacity=1000, outcome_sample=0.5)
+    assert trust.lru_shadow.capacity == 1000
+    trust.score_shadow.capacity = trust.lru_shadow.capacity = 10**6
+    w1, w2 = sampled_pair(0.5)
+    trust.observe_call(w1, "a", ["S", "x"], [100, 10])
+    assert trust.lru_shadow.used == 110  # read by one sampled workflow: its full size
+    trust.observe_call(w2, "a", ["S", "y"], [100, 10])
+    assert trust.lru_shadow.used == 50 + 10 + 10  # S, shared: half its tokens (the sample's share of its readers)
+
+
+def sampled_pair(share, seed=0):
+    ids = [f"wf-{i}" for i in range(200) if sampled(f"wf-{i}", share, seed)]
+    return ids[0], ids[1]
+
+
+def test_the_sample_is_seeded_stable_and_of_the_given_share():
+    ids = [f"workflow-{i}" for i in range(4000)]
+    picked = [w for w in ids if sampled(w, 0.25, 0)]
+    assert picked == [w for w in ids if sampled(w, 0.25, 0)]  # stable (no salted hash)
+    assert 0.23 < len(picked) / len(ids) < 0.27
+    assert set(w for w in ids if sampled(w, 0.1, 0)) <= set(picked)  # nested in the share, per seed
+    assert picked != [w for w in ids if sampled(w, 0.25, 1)]
+    assert all(sampled(w, 1.0, 0) for w in ids[:50])
+    trust, _ = judge(outcome_sample=0.25)
+    unsampled = next(w for w in ids if not sampled(w, 0.25, 0))
+    assert trust.observe_call(unsampled, "a", ["K"], [5]) is False and trust.sampled_calls == 0
+
+
+def flips(**options):
+    """The calls of the hand-checked sequence at which the order flipped."""
+    trust, _ = judge(**options)
+    sequence = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
+                ("w2", "a", "S"), ("w1", "c", "X")]
+    return [i for i, (w, agent, key) in enumerate(sequence, 1) if trust.observe_call(w, agent, [key], [4])]
+
+
+def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_error():
+    assert flips() == [6]
+    assert flips(outcome_min_calls=7) == []  # 6 sampled calls are too few; at the 7th the hit counts tie
+    # at call 6 LRU leads by 4 of 24 prompt tokens (0.167), with a standard error of 0.152
+    assert flips(outcome_z=1.0) == [6] and flips(outcome_z=2.0) == []
+    assert flips(outcome_margin=0.2) == []
+
+
+def test_trust_knobs_are_checked():
+    with pytest.raises(ConfigError, match="outcome_sample"):
+        TrustConfig(outcome_sample=0)
+    with pytest.raises(ConfigError, match="trust"):
+        TrustConfig(trust="adaptive")
+
+
+def test_a_full_shadow_evicts_down_to_its_slack():
+    trust, _ = judge(capacity=100, outcome_slack=0.1)
+    for i in range(10):
+        trust.observe_call("w1", "c", [f"k{i}"], [10])
+    assert trust.lru_shadow.used == 100
+    trust.observe_call("w1", "c", ["k10"], [10])  # 110 > 100: down to 90 (the two oldest go)
+    assert trust.lru_shadow.used == 90 and sorted(trust.lru_shadow.held) == sorted(f"k{i}" for i in range(2, 11))
