@@ -12,6 +12,7 @@ from serving_integration.cache.baselines import FIFO, FILO, MRU, SLRU, Continuum
     LRUPrefetch, Priority
 from serving_integration.simulator.radix import RadixTree
 from tests.cache.test_policies import AGENTS, one_hot
+from tests.cache.test_policies import tree_with as policies_tree_with
 
 
 def sglang_strategies():
@@ -24,14 +25,7 @@ def sglang_strategies():
 
 
 def tree_with(policy, *keys):
-    tree = RadixTree(10_000, 10_000, priority=policy.priority, on_evict=policy.on_evict,
-                     on_split=policy.on_split, on_delete=policy.forget)
-    leaves = []
-    for key in keys:
-        tree.private_gpu += len(key)
-        leaves.append(tree.insert(list(key), [1] * len(key))[1][-1])
-        tree.private_gpu -= len(key)
-    return tree, leaves
+    return policies_tree_with(policy, *keys, host_tokens=10_000)
 
 
 def eviction_order(tree, tokens=10**9):

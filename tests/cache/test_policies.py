@@ -21,8 +21,10 @@ def one_hot(*steps):
     return probs
 
 
-def tree_with(policy, *keys):
-    tree = RadixTree(10_000, 0, priority=policy.priority, on_evict=policy.on_evict)
+def tree_with(policy, *keys, host_tokens=0):
+    """A tree ordered by `policy` (with its callbacks) holding these keys, each a leaf; the leaves."""
+    tree = RadixTree(10_000, host_tokens, priority=policy.priority, on_evict=policy.on_evict,
+                     on_split=policy.on_split, on_delete=policy.forget)
     leaves = []
     for key in keys:
         tree.private_gpu += len(key)
