@@ -454,8 +454,8 @@ class WorkflowRuntime:
             report = self.policy.trust_report()
             if report is not None:
                 self.stats.count(f"calls_following_{report['following']}")
+        self.ledger.record_path(path_node_ids, wf.id, tag.agent)
         for node_id in path_node_ids:
-            self.ledger.record_access(node_id, wf.id, tag.agent)
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
                 self.stats.count("prefetch_used_tokens", self.prefetched.pop(node_id))
 
