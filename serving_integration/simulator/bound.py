@@ -1,63 +1,110 @@
-"""An offline upper bound on the GPU-tier prefix hits of one replay, in the style of FOO
-(Berger, Beckmann and Harchol-Balter, "Practical Bounds on Optimal Caching with Variable Object
-Sizes", SIGMETRICS 2018).
+"""Offline upper bounds on the prefix hits of one replay, in the style of FOO (Berger, Beckmann and
+Harchol-Balter, "Practical Bounds on Optimal Caching with Variable Object Sizes", SIGMETRICS 2018).
 
-Input: the realized request sequence of a simulator run (engine.Simulator.trace): every request's
+Input: the realized request sequence of a simulator run (engine.Server.trace): every request's
 admission and finish, in the order the simulator did them, with the prefix units (their prefix
-identities, radix.prefix_keys) the request read and their token counts, and its output. Output: a
-number of tokens no eviction policy can exceed in GPU hits on that same sequence with the same GPU
-capacity C (`gpu_tokens`).
+identities, radix.prefix_keys) the request read and their token counts, and its output; and, for
+prefetch, the PCIe tokens the run's idle time could carry (`prefetch_budgets`). Output: three
+numbers of prompt tokens on that same sequence, with the same GPU capacity C (`gpu_tokens`) and
+host capacity H (`host_tokens`):
+- `eviction`: no eviction policy gets more GPU hits (points 1-4);
+- `prefetch`: no eviction policy with prefetch from the host tier gets more GPU hits (point 5);
+- `any_tier`: no policy at all gets more hits in the GPU and host tiers together, so the missed
+  (recomputed) prompt tokens are at least the prompt tokens minus this (point 6).
 
 The model, and why it is a bound
 --------------------------------
-Events e = 0, 1, ... are the admissions and finishes; "gap g" is the state right after event g.
-A key k (one prompt unit at one prefix position, or a call's output) has a memory size s_k: the
-fewest tokens it is ever given (a pruned call may hold fewer tokens of a unit than another).
+Events e = 0, 1, ... are the admissions and finishes; "gap g" is the time between event g and
+event g + 1. A key k (one prompt unit at one prefix position, or a call's output) has a memory
+size s_k: the fewest tokens it is ever given (a pruned call may hold fewer tokens of a unit than
+another); wherever the cache holds k it holds at least s_k tokens of it.
 
 1. What every policy holds. From its admission A_r to its finish F_r a request r holds all its
    prompt tokens on the GPU: the matched path is loaded back and locked (locked nodes are never
-   evicted), the missed tokens and the output are reserved privately. So after every event the
+   evicted), the missed tokens and the output are reserved privately. So during every gap the
    GPU holds at least L(g) = sum of s_k over the distinct prompt keys of running requests plus
    their output tokens, whatever the policy did; and L(g) <= C because the run respected C.
 2. How a hit happens. A read of k at admission b is a GPU hit only if k is on the GPU at b. The
-   GPU gains a key only when it is accessed (an admission loads its matched path back, a finish
-   inserts prompt and output) or by prefetch. Without prefetch, k therefore stayed on the GPU
-   through every gap from its previous access p to b: the interval (p, b).
+   cache (either tier) gains a key only when it is accessed: a finish inserts prompt and output
+   (radix.RadixTree.insert, the only place nodes and host copies are made). The GPU gains a key
+   when it is accessed (an admission loads its matched path back, a finish inserts) or when
+   prefetch loads it back from the host (Server._prefetch; the only other call of load_back).
+   Without prefetch, k therefore stayed on the GPU through every gap from its previous access
+   p to b: the interval (p, b).
 3. Intervals that are free. If k is held by a running request r' at gap b - 1, then A_r' <= p
    and F_r' > b (both are accesses of k), so r' holds k through the whole interval: k is counted
    in L already and the hit costs nothing more (the bound counts it as a hit; in the run it may
    have been a private copy and a miss, which only loosens the bound). An interval that starts at
    an admission always ends at the request's own finish or at a read while it still runs: free or
-   hit-less. First accesses have no interval: always misses.
-4. The LP. Every other interval i = (p, b) starts at a finish; it gets x_i in [0, 1] with weight
-   w_i = the tokens read at b and size s_k. For every gap g:
-        sum of s_i x_i over intervals i spanning g  <=  C - L(g),
+   hit-less. First accesses have no interval: always misses. No running request holds the key of
+   any other interval in any of its gaps (such a request's admission or finish would lie inside).
+4. The eviction LP. Every other interval i = (p, b) starts at a finish; it gets x_i in [0, 1]
+   with weight w_i = the tokens read at b and size s_i. For every gap g:
+        (G)  sum of s_i x_i over intervals i spanning g  <=  C - L(g),
    because such keys are on the GPU, are not running keys (3), and the running ones take L(g).
    The hits of any run (x_i = 1 for the intervals it kept) satisfy these constraints, so the LP
    optimum plus the free hits bounds its GPU hits. Dropping prefix closure (a unit is reused only
    after its whole prefix), the host tier, page rounding and the order of evictions within an
    admission only enlarge the feasible set: the result stays an upper bound.
-5. Prefetch. A prefetched key leaves and re-enters the GPU inside its interval, so (2) does not
-   hold for it: for a run with prefetch the bound adds the tokens that run prefetched and then
-   read (`bound_method` says "+prefetched"): a bound on that run, not on every prefetch policy.
+5. With prefetch. A GPU hit at b whose key left the GPU inside its interval came back by a
+   prefetch load (2): y_i in [0, 1], x_i + y_i <= 1 (a hit is one or the other). Every run with
+   prefetch satisfies, with its 0/1 values:
+        (G') sum of s_i x_i over intervals spanning g + sum of s_i y_i over intervals ending at g
+             (read at g + 1)  <=  C - L(g): a y-key is on the GPU when it is read, at the end of
+             gap b - 1, beside the kept keys and the running ones;
+        (U)  sum of s_i (x_i + y_i) over intervals spanning g  <=  C + H - L(g): a key prefetched
+             from the host was in the cache (GPU or host) through its whole interval (2: once in
+             neither tier it comes back only by an access), and the cache holds at most C - L(g)
+             tokens of keys that are not running on the GPU and H on the host; a node on both
+             tiers (write-through) counts once in the union, so this only loosens;
+        (P)  for every window W of consecutive gaps: sum of s_i y_i over intervals whose gaps
+             lie within W  <=  the PCIe tokens prefetch can load during W: each y-key was loaded
+             (at least s_i tokens; prefetch loads whole paths, so more) at least once inside its
+             own interval, after it left the GPU, and loads of different intervals are different
+             loads (two intervals of one key are disjoint in time).
+   The simulator prefetches only in decode-only iterations and in idle time, and loads at most
+   the PCIe bandwidth of that time (cost_model.pcie_tokens per window). Each admission records
+   the server's clocks, so the seconds of decode and idle time between two consecutive
+   admissions are known exactly: `prefetch_budgets` puts their PCIe tokens on the last gap before
+   the later admission. That is no loss for (P): an interval that spans any gap between two
+   admissions ends at a read, an admission, so it spans the last gap before the later one too.
+   (P) is kept for the windows of two dyadic hierarchies over the gaps that carry a budget
+   (offsets 0 and a third of the top window: every interval then lies in a window at most about
+   six times its own length); any subset of valid constraints is a relaxation. With H = 0 there
+   are no host copies to prefetch (the prefetch bound is the eviction bound); with H > 0 and no
+   budget, (P) forces y = 0 and (U) follows from (G'): again the eviction bound.
+6. Hits in either tier. A read of k at b is a GPU or host hit only if k stayed in the cache
+   (GPU or host) through its interval (2), so with (U) alone on x: the eviction LP with capacity
+   C + H - L(g) bounds GPU + host hits of every policy, prefetching or not, and 1 - that bound
+   over the prompt tokens bounds recompute_rate (cache/metrics.py: missed prompt tokens over
+   prompt tokens; page rounding only adds misses) from below. Write-through does not break it:
+   it makes host copies only of keys just inserted and evicts only host-only nodes to make room.
+The three LP optima satisfy eviction <= prefetch <= any_tier (each feasible set embeds the
+previous one); the results are kept in that order (the maximum of two valid bounds is one).
 
-Solving. The constraint matrix has consecutive ones in each column (an interval matrix); the LP
-is written with one running-load variable z_j per segment between interval endpoints:
-z_j = z_{j-1} + (sizes of intervals starting at j) - (sizes of those ending before j), 0 <= z_j <=
-min over the segment of C - L(g). That takes about 2 nonzeros per interval instead of one per gap
-spanned, and scipy's HiGHS (scipy.optimize.linprog) solves it. Above `max_lp_intervals` the cheap
-PFOO-U-style bound runs instead (the same paper's PFOO-U): the sum of all the gap constraints is
-one knapsack constraint (sum of s_i x len_i x_i <= sum of capacities), whose fractional optimum,
-filled greedily by w_i / (s_i len_i), bounds the LP from above.
+Solving. The (G), (G') and (U) matrices have consecutive ones in each column (interval
+matrices); each is written with one running-load variable z_j per segment between interval
+endpoints: z_j = z_{j-1} + (sizes of intervals starting at j) - (sizes of those ending before
+j), 0 <= z_j <= min over the segment of the capacity. That takes about 2 nonzeros per interval
+instead of one per gap spanned; (P) is written the same way down each hierarchy, one sum
+variable per window (itself, plus its two halves), and scipy's HiGHS (scipy.optimize.linprog)
+solves it. Above `max_lp_intervals` the cheap PFOO-U-style bound runs instead, for all three
+bounds (the same paper's PFOO-U): the sum of all the gap constraints is one knapsack constraint
+(sum of s_i x len_i x_i <= sum of capacities), whose fractional optimum, filled greedily by
+w_i / (s_i len_i), bounds the LP from above; for prefetch, the knapsack of (U) alone (x + y
+counted as one variable), which bounds the any-tier LP and hence the prefetch LP.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # An event of the abstract sequence: (is_admission, request index, prompt keys, their tokens as
 # read, output key or None, output tokens)
@@ -66,13 +113,21 @@ Event = tuple
 
 @dataclass
 class Bound:
-    hit_tokens: float  # upper bound on GPU-hit prompt tokens
+    hit_tokens: float  # upper bound on hit prompt tokens
     method: str  # "lp" (HiGHS) or "pfoo_u" (the knapsack relaxation)
     free_tokens: int  # hits held by a running request (counted without a variable)
-    intervals: int  # LP variables x
-    rows: int  # LP equality rows (segments)
+    intervals: int  # intervals (LP variables x; with prefetch, as many y again)
+    rows: int  # LP rows
     nonzeros: int
     seconds: float
+
+
+@dataclass
+class Bounds:
+    """The three bounds of one sequence (module docstring): eviction <= prefetch <= any_tier."""
+    eviction: Bound  # GPU hits of any eviction policy (points 1-4)
+    prefetch: Bound  # GPU hits of any eviction policy with prefetch (point 5)
+    any_tier: Bound  # GPU + host hits of any policy (point 6)
 
 
 def sequence_from_trace(trace: Sequence) -> list[Event]:
@@ -93,8 +148,29 @@ def sequence_from_trace(trace: Sequence) -> list[Event]:
     return events
 
 
+def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
+    """PCIe tokens prefetch may load in each gap of the trace's events (point 5): between two
+    consecutive admissions the simulator prefetches only in decode iterations and idle time, and
+    the admission's clocks (engine.Request.admitted, .clocks: prefill, decode, PCIe, predictor
+    seconds so far) give that time: the clock less prefill, PCIe and predictor seconds. The whole
+    window's budget is put on the last gap before the later admission."""
+    budgets = np.zeros(len(trace), dtype=np.float64)
+    seen: set[int] = set()
+    previous = None  # decode + idle seconds at the previous admission
+    for e, r in enumerate(trace):
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        prefill, _, pcie, predictor = r.clocks
+        window = r.admitted - prefill - pcie - predictor
+        if previous is not None and e > 0:
+            budgets[e - 1] = max(window - previous, 0.0) * pcie_tokens_per_s
+        previous = window
+    return budgets
+
+
 def intervals(events: Iterable[Event], capacity: int):
-    """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) after each event)."""
+    """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) in each gap)."""
     events = list(events)
     size: dict = {}
     for _, _, keys, lens, out, out_tokens in events:
@@ -148,45 +224,181 @@ def intervals(events: Iterable[Event], capacity: int):
 
 
 def upper_bound(events: Iterable[Event], capacity: int, max_lp_intervals: int = 300_000) -> Bound:
+    """The eviction-only bound (points 1-4) on GPU hits."""
+    return upper_bounds(events, capacity, max_lp_intervals=max_lp_intervals).eviction
+
+
+def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0, pcie: np.ndarray | None = None,
+                 max_lp_intervals: int = 300_000) -> Bounds:
+    """The three bounds of the module docstring; `pcie`: prefetch's PCIe tokens per gap (None: none)."""
     started = time.perf_counter()
     free, a, b, s, w, caps = intervals(events, capacity)
     n = len(a)
     if n == 0:
-        return Bound(float(free), "lp", free, 0, 0, 0, time.perf_counter() - started)
-    if n > max_lp_intervals:
-        value = _knapsack(a, b, s, w, caps)
-        return Bound(free + value, "pfoo_u", free, n, 1, n, time.perf_counter() - started)
-    value, rows, nnz = _lp(a, b, s, w, caps)
-    if value is None:  # the solver failed: the relaxation still bounds it
-        return Bound(free + _knapsack(a, b, s, w, caps), "pfoo_u", free, n, 1, n, time.perf_counter() - started)
-    return Bound(free + value, "lp", free, n, rows, nnz, time.perf_counter() - started)
+        none = Bound(float(free), "lp", free, 0, 0, 0, time.perf_counter() - started)
+        return Bounds(none, none, none)
+    cheap = n > max_lp_intervals
+
+    def finish(value, method, rows, nnz, since):
+        return Bound(free + value, method, free, n, rows, nnz, time.perf_counter() - since)
+
+    def eviction_lp(capacities, since):
+        solved = None if cheap else _eviction_lp(a, b, s, w, capacities)
+        if solved is None:  # above the size limit, or the solver failed: the relaxation still bounds it
+            return finish(_knapsack(a, b, s, w, capacities), "pfoo_u", 1, n, since)
+        return finish(solved[0], "lp", *solved[1:], since)
+
+    eviction = eviction_lp(caps, started)
+    if host_capacity <= 0:  # no host copies: nothing to prefetch, no host hits (points 5 and 6)
+        return Bounds(eviction, eviction, eviction)
+    since = time.perf_counter()
+    any_tier = _at_least(eviction_lp(caps + host_capacity, since), eviction)
+    budgets = np.zeros(len(caps)) if pcie is None else np.asarray(pcie, dtype=np.float64)
+    since = time.perf_counter()
+    if not budgets.any():  # no PCIe time for prefetch: (P) forces y = 0 (point 5)
+        prefetch = eviction
+    elif cheap:
+        prefetch = finish(any_tier.hit_tokens - free, any_tier.method, 0, 0, since)
+    else:
+        solved = _prefetch_lp(a, b, s, w, caps, caps + host_capacity, budgets)
+        prefetch = (finish(solved[0], "lp", *solved[1:], since) if solved is not None  # else the any-tier bound bounds it (point 6)
+                    else finish(any_tier.hit_tokens - free, any_tier.method, 0, 0, since))
+    prefetch = _at_least(prefetch, eviction)
+    return Bounds(eviction, prefetch, _at_least(any_tier, prefetch))
 
 
-def _lp(a, b, s, w, caps):
+def _at_least(bound: Bound, lower: Bound) -> Bound:
+    """`bound`, raised to `lower` where the solver's tolerance put it below (both are valid bounds)."""
+    if bound.hit_tokens >= lower.hit_tokens:
+        return bound
+    return Bound(lower.hit_tokens, bound.method, bound.free_tokens, bound.intervals, bound.rows, bound.nonzeros,
+                 bound.seconds)
+
+
+def _chain(starts, ends, sizes, columns, caps, first_row: int, first_z: int):
+    """One running-load chain (module docstring, Solving) for the items (start gap, end gap, size,
+    column): COO (rows, cols, vals) of its equality rows, and the z variables' upper bounds."""
+    points = np.unique(np.concatenate([starts, ends + 1]))  # segment j covers gaps points[j] .. points[j+1]-1
+    seg_caps = np.minimum.reduceat(caps[: points[-1]], points[:-1])
+    n_seg = len(points) - 1
+    first = np.searchsorted(points, starts)
+    after = np.searchsorted(points, ends + 1)  # the segment just past the item
+    # rows j: z_j - z_{j-1} - sum_{first = j} size x + sum_{after = j} size x = 0
+    inside = after < n_seg
+    seg = np.arange(n_seg)
+    rows = np.concatenate([first, after[inside], seg, seg[1:]]) + first_row
+    cols = np.concatenate([columns, columns[inside], first_z + seg, first_z + seg[:-1]])
+    vals = np.concatenate([-sizes, sizes[inside], np.ones(n_seg), -np.ones(n_seg - 1)])
+    return (rows, cols, vals), seg_caps
+
+
+def _hierarchy(lo, hi, sizes, columns, cum_budget, offset: int, first_row: int, first_sum: int):
+    """(P) over one dyadic hierarchy of windows of budget positions shifted by `offset`: for every
+    window that contains the budget span [lo, hi] of some item, one sum variable S = the sizes x
+    columns of the items whose smallest containing window it is + S of its two halves, at most the
+    window's budget (`cum_budget`: cumulative budgets, 0 first). COO (rows, cols, vals) and the S
+    variables' upper bounds."""
+    m = len(cum_budget) - 1
+    start, stop = lo + offset, hi + offset
+    top = int(m - 1 + offset).bit_length()
+    level = np.zeros(len(lo), dtype=np.int64)
+    for bit in range(top + 1):  # the bit length of start ^ stop: the level of the smallest window holding both
+        level += (start >> bit) != (stop >> bit)
+    window = start >> level
+    windows_by_level, first_id = [], [first_sum]
+    for lvl in range(top + 1):
+        here = level <= lvl
+        windows_by_level.append(np.unique(window[here] >> (lvl - level[here])))
+        first_id.append(first_id[-1] + len(windows_by_level[-1]))
+    total = first_id[-1] - first_sum
+    rows_of = lambda lvl, idx: first_row + first_id[lvl] - first_sum + idx  # noqa: E731
+    item_rows = np.empty(len(lo), dtype=np.int64)
+    for lvl in range(top + 1):
+        at = level == lvl
+        item_rows[at] = rows_of(lvl, np.searchsorted(windows_by_level[lvl], window[at]))
+    rows, cols, vals = [item_rows, np.arange(total) + first_row], [columns, np.arange(total) + first_sum], \
+        [-sizes, np.ones(total)]
+    upper = np.empty(total)
+    for lvl in range(top + 1):
+        cells = windows_by_level[lvl]
+        ids = first_id[lvl] - first_sum + np.arange(len(cells))
+        begin = np.clip((cells << lvl) - offset, 0, m)
+        end = np.clip(((cells + 1) << lvl) - offset, 0, m)
+        upper[ids] = cum_budget[end] - cum_budget[begin]
+        below = windows_by_level[lvl - 1] if lvl else ()
+        if len(below):
+            for half in (0, 1):
+                child = 2 * cells + half
+                at = np.minimum(np.searchsorted(below, child), len(below) - 1)
+                found = below[at] == child
+                rows.append(first_row + ids[found])
+                cols.append(first_id[lvl - 1] + at[found])
+                vals.append(-np.ones(int(found.sum())))
+    return (np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)), upper
+
+
+def _solve(cost, blocks, n_rows: int, n_cols: int, upper, a_ub=None, b_ub=None):
+    """linprog (HiGHS) over equality rows from COO `blocks`, 0 <= variables <= upper; (value, nonzeros)."""
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
-    points = np.unique(np.concatenate([a, b + 1]))  # segment j covers gaps points[j] .. points[j+1]-1
-    seg_caps = np.minimum.reduceat(caps[: points[-1]], points[:-1])
-    n_seg = len(points) - 1
-    first = np.searchsorted(points, a)
-    after = np.searchsorted(points, b + 1)  # the segment just past the interval
+    rows, cols, vals = (np.concatenate(part) for part in zip(*blocks))
+    matrix = coo_matrix((vals, (rows, cols)), shape=(n_rows, n_cols)).tocsr()
+    bounds = np.column_stack([np.zeros(n_cols), upper])
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=matrix, b_eq=np.zeros(n_rows), bounds=bounds, method="highs")
+    nonzeros = matrix.nnz + (a_ub.nnz if a_ub is not None else 0)
+    return (None if res.status != 0 else -float(res.fun)), nonzeros
+
+
+def _eviction_lp(a, b, s, w, caps):
+    """(value, rows, nonzeros) of the eviction LP (point 4) with capacities `caps`; None if HiGHS fails."""
     n = len(a)
-    # rows j: z_j - z_{j-1} - sum_{first_i = j} s_i x_i + sum_{after_i = j} s_i x_i = 0
-    inside = after < n_seg
-    seg = np.arange(n_seg)
-    rows = np.concatenate([first, after[inside], seg, seg[1:]])
-    cols = np.concatenate([np.arange(n), np.arange(n)[inside], n + seg, n + seg[:-1]])
-    vals = np.concatenate([-s, s[inside], np.ones(n_seg), -np.ones(n_seg - 1)])
-    matrix = coo_matrix((vals, (rows, cols)), shape=(n_seg, n + n_seg)).tocsr()
-    cost = np.concatenate([-w, np.zeros(n_seg)])
-    bounds = np.column_stack([np.zeros(n + n_seg), np.concatenate([np.ones(n), seg_caps])])
-    res = linprog(cost, A_eq=matrix, b_eq=np.zeros(n_seg), bounds=bounds, method="highs")
-    if res.status != 0:
-        return None, n_seg, matrix.nnz
+    block, seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
+    n_seg = len(seg_caps)
+    value, nonzeros = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg,
+                             np.concatenate([np.ones(n), seg_caps]))
+    if value is None:
+        return None
     # HiGHS's optimality tolerances are relative (1e-7): add a margin so rounding can only loosen it
-    value = -float(res.fun)
-    return value + 1e-6 * float(w.sum()), n_seg, matrix.nnz
+    return value + 1e-6 * float(w.sum()), n_seg, nonzeros
+
+
+def _prefetch_lp(a, b, s, w, caps, union_caps, budgets):
+    """(value, rows, nonzeros) of the prefetch LP (point 5): columns x, y, then the chains' z and
+    the hierarchies' S; None if HiGHS fails."""
+    from scipy.sparse import coo_matrix
+
+    n = len(a)
+    xs, ys = np.arange(n), n + np.arange(n)
+    items = lambda *parts: [np.concatenate(p) for p in zip(*parts)]  # noqa: E731
+    # (G'): x over its interval, y on its last gap; (U): x and y over the interval
+    blocks, upper, n_rows = [], [np.ones(2 * n)], 0
+    for (starts, ends, sizes, columns), capacities in (
+            (items((a, b, s, xs), (b, b, s, ys)), caps), (items((a, b, s, xs), (a, b, s, ys)), union_caps)):
+        block, seg_caps = _chain(starts, ends, sizes, columns, capacities, n_rows, 2 * n + n_rows)
+        blocks.append(block)
+        upper.append(seg_caps)
+        n_rows += len(seg_caps)
+    # (P): the budget positions (gaps with a budget) within each interval
+    positions = np.flatnonzero(budgets > 0)
+    lo = np.searchsorted(positions, a, side="left")
+    hi = np.searchsorted(positions, b, side="right") - 1
+    has = lo <= hi
+    upper[0][ys[~has]] = 0.0  # no PCIe time inside the interval: no prefetch hit
+    cum = np.concatenate([[0.0], np.cumsum(budgets[positions])])
+    m = len(positions)
+    for offset in sorted({0, (1 << int(m - 1).bit_length()) // 3}):
+        block, sums = _hierarchy(lo[has], hi[has], s[has], ys[has], cum, offset, n_rows, 2 * n + n_rows)
+        blocks.append(block)
+        upper.append(sums)
+        n_rows += len(sums)
+    one_hit = coo_matrix((np.ones(2 * n), (np.concatenate([xs, xs]), np.concatenate([xs, ys]))),
+                         shape=(n, 2 * n + n_rows)).tocsr()  # x_i + y_i <= 1
+    cost = np.concatenate([-w, -w, np.zeros(n_rows)])
+    value, nonzeros = _solve(cost, blocks, n_rows, 2 * n + n_rows, np.concatenate(upper), one_hit, np.ones(n))
+    if value is None:
+        return None
+    return value + 1e-6 * float(w.sum()), n_rows + n, nonzeros
 
 
 def _knapsack(a, b, s, w, caps) -> float:
@@ -205,3 +417,22 @@ def _knapsack(a, b, s, w, caps) -> float:
         left = budget - (filled[full - 1] if full else 0.0)
         value += float(w[order[full]]) * left / float(cost[order[full]])
     return value
+
+
+def row_bounds(per_server: list[Bounds], prompt_tokens: int) -> dict:
+    """A row's bound fields (named in experiments/rows.py ROW_METRIC_DEFAULTS) from each replica's
+    bounds on the calls routed to it, summed: hits are per replica, so the sum bounds the cluster."""
+    def total(kind: str) -> float:
+        return min(sum(getattr(b, kind).hit_tokens for b in per_server), prompt_tokens)
+
+    parts = [getattr(b, kind) for b in per_server for kind in ("eviction", "prefetch", "any_tier")]
+    seen = {id(p): p for p in parts}.values()  # a bound that stands for another (no host) is counted once
+    for part in seen:
+        log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", part.method, part.intervals,
+                 part.rows, part.nonzeros, part.seconds)  # wall time stays out of the (reproducible) row
+    rate = (lambda tokens: tokens / prompt_tokens) if prompt_tokens else (lambda tokens: 0.0)
+    return {"bound_hit_rate": rate(total("eviction")), "bound_prefetch_hit_rate": rate(total("prefetch")),
+            "bound_recompute_rate": 1.0 - rate(total("any_tier")) if prompt_tokens else 0.0,
+            "bound_hit_tokens": total("eviction"), "bound_method": "+".join(dict.fromkeys(p.method for p in parts)),
+            "bound_intervals": sum(b.eviction.intervals for b in per_server),
+            "bound_rows": sum(p.rows for p in seen), "bound_nonzeros": sum(p.nonzeros for p in seen)}

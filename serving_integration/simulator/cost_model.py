@@ -67,5 +67,10 @@ class CostModel:
     def pcie_s(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / (self.pcie_bandwidth * self.pcie_efficiency)
 
+    @property
+    def pcie_tokens_per_s(self) -> float:
+        """KV tokens the host link carries per second (pcie_tokens is its whole part over a window)."""
+        return self.pcie_bandwidth * self.pcie_efficiency / self.kv_bytes_per_token
+
     def pcie_tokens(self, seconds: float) -> int:
         return int(seconds * self.pcie_bandwidth * self.pcie_efficiency / self.kv_bytes_per_token)

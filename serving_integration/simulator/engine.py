@@ -56,7 +56,7 @@ from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, ma
 from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
 from serving_integration.cache.trust import trust_summary
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
-from serving_integration.simulator.bound import sequence_from_trace, upper_bound
+from serving_integration.simulator.bound import prefetch_budgets, row_bounds, sequence_from_trace, upper_bounds
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.cache.router import make_router
@@ -778,31 +778,17 @@ def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
 
 
 def bound_metrics(sim: Simulator) -> dict:
-    """The offline upper bound on GPU hits for the run's own request sequence (bound.py); in a
-    cluster, the sum over replicas of each one's bound on the calls routed to it, at its capacity."""
-    tokens, methods, intervals, rows, nonzeros = 0, [], 0, 0, 0
-    for server in sim.servers:
-        result = upper_bound(sequence_from_trace(server.trace), server.tree.gpu_capacity)
-        log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", result.method, result.intervals,
-                 result.rows, result.nonzeros, result.seconds)  # wall time stays out of the (reproducible) row
-        tokens += result.hit_tokens
-        methods.append(result.method)
-        intervals, rows, nonzeros = intervals + result.intervals, rows + result.rows, nonzeros + result.nonzeros
-    c = sim.counters()
-    method = "+".join(dict.fromkeys(methods))
-    if sim.servers[0].prefetch.enabled:  # prefetched-then-read tokens are not kept intervals (bound.py, point 5)
-        tokens += c.prefetch_used_tokens
-        method += "+prefetched"
-    tokens = min(tokens, c.prompt_tokens)
-    return {"bound_hit_rate": tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "bound_hit_tokens": tokens, "bound_method": method, "bound_intervals": intervals,
-            "bound_rows": rows, "bound_nonzeros": nonzeros}
+    """The offline bounds for the run's own request sequence (bound.py: GPU hits without and with
+    prefetch, GPU + host hits); in a cluster, summed over replicas, each one's on the calls routed to it."""
+    return row_bounds([upper_bounds(sequence_from_trace(s.trace), s.tree.gpu_capacity, s.tree.host_capacity,
+                                    prefetch_budgets(s.trace, sim.cost.pcie_tokens_per_s)) for s in sim.servers],
+                      sim.counters().prompt_tokens)
 
 
 def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
              **policy) -> dict:
-    """Replay the workflows under one policy; the summary metrics, with the run's upper bound
-    (`bound_hit_rate`, bound.py) unless bound=False."""
+    """Replay the workflows under one policy; the summary metrics, with the run's bounds
+    (`bound_hit_rate`, `bound_prefetch_hit_rate`, `bound_recompute_rate`: bound.py) unless bound=False."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()

@@ -1,7 +1,9 @@
-"""The offline upper bound (serving_integration/simulator/bound.py): at least the exact optimum
-of the abstract caching model, found by exhaustive search, on small random instances; never below
-the hit rate of a simulator run on its own sequence."""
+"""The offline upper bounds (serving_integration/simulator/bound.py): each at least the exact
+optimum of its abstract caching model (eviction only; eviction and prefetch from a host tier
+within a PCIe budget per gap; hits in either tier), found by exhaustive search, on small random
+instances; never below what a simulator run reaches on its own sequence."""
 
+import dataclasses
 import itertools
 import random
 from functools import lru_cache
@@ -9,26 +11,31 @@ from functools import lru_cache
 import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
-from serving_integration.simulator.bound import intervals, upper_bound
+from serving_integration.simulator.bound import intervals, upper_bound, upper_bounds
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
 
-def random_instance(rng: random.Random):
+def random_instance(rng: random.Random, flush: bool = False, slack: int = 6, admit: float = 0.5):
     """Requests over a few keys (outputs are keys later requests may read), admitted and finished
-    in a random interleaving; a capacity that fits what the running requests hold."""
-    n_keys = rng.randint(2, 6)
+    in a random interleaving (a waiting request is admitted next with probability `admit`); a
+    capacity that fits what the running requests hold, plus up to `slack`. With `flush`, one
+    request in the middle reads a large key of its own, pushing what was cached off the GPU."""
+    n_keys = rng.randint(2, 6) if not flush else rng.randint(3, 5)
     size = {k: rng.randint(1, 4) for k in range(n_keys)}
     requests = []
-    for r in range(rng.randint(2, 6)):
+    for r in range(rng.randint(2, 6) if not flush else rng.randint(3, 6)):
         keys = tuple(rng.sample(range(n_keys), rng.randint(1, min(3, n_keys))))
         out = rng.choice([None, *range(n_keys)])
         if out in keys:
             out = None
         requests.append((keys, tuple(size[k] for k in keys), out, size[out] if out is not None else 0))
+    if flush:
+        size[n_keys] = rng.randint(4, 8)
+        requests.insert(rng.randint(1, len(requests) - 1), ((n_keys,), (size[n_keys],), None, 0))
     events, waiting, running = [], list(range(len(requests))), []
     while waiting or running:
-        if waiting and (not running or rng.random() < 0.5):
+        if waiting and (not running or rng.random() < admit):
             r = waiting.pop(0)
             running.append(r)
             keys, lens, _, out_tokens = requests[r]
@@ -39,7 +46,7 @@ def random_instance(rng: random.Random):
             events.append((False, r, keys, lens, out, out_tokens))
     held = [running_state(events, e) for e in range(len(events))]
     need = max(sum(size[k] for k in keys) + outs for keys, outs in held)
-    return events, need + rng.randint(0, 6), size
+    return events, need + rng.randint(0, slack), size
 
 
 def running_state(events, e):
@@ -107,20 +114,139 @@ def test_first_reads_miss_and_running_reads_are_free():
     assert upper_bound(events, 10).hit_tokens == pytest.approx(10, abs=1e-3)  # both fit: key 1 stays
 
 
-@pytest.mark.parametrize("kind,gpu", [("hover", 60_000), ("hover", 150_000), ("swebench", 120_000)])
-def test_no_policy_beats_its_own_bound(kind, gpu):
+def exact_with_host(events, capacity, size, host, pcie, either_tier: bool) -> int:
+    """Most prompt-token hits in the model with a host tier: after each event the policy chooses
+    what the host holds (at most `host` tokens, of keys that are in the cache, the finished
+    request's keys included) and what the GPU holds: keys it kept, plus keys it loads from the host
+    during the gap that follows (at most pcie[e] tokens); GPU keys plus what running requests hold
+    fit the capacity. A key enters the cache only when a request that read it finishes. A read hits
+    if its key is on the GPU or held by a running request, or, with `either_tier`, on the host.
+    Choices that hold a subset of what another allowed choice holds are never better: only the
+    maximal ones are searched."""
+    held = [running_state(events, e) for e in range(len(events))]
+    before = [(set(), 0)] + held[:-1]
+
+    def maximal(sets):
+        return [x for x in sets if not any(x < y for y in sets)]
+
+    def fits(keys, budget):
+        return sum(size[k] for k in keys) <= budget
+
+    @lru_cache(maxsize=None)
+    def best(e: int, gpu: frozenset, on_host: frozenset) -> int:
+        if e == len(events):
+            return 0
+        admit, _, keys, lens, out, _ = events[e]
+        cached = gpu | on_host if either_tier else gpu
+        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in before[e][0]) if admit else 0
+        kept = gpu if admit else gpu | set(keys) | ({out} if out is not None else set())
+        present = sorted(kept | on_host)
+        running_keys, outputs = held[e]
+        hosts = maximal([frozenset(c) for n in range(len(present) + 1) for c in itertools.combinations(present, n)
+                         if fits(c, host)])
+        options = []
+        for h in hosts:
+            loadable = sorted(kept | h)
+            gpus = [frozenset(c) for n in range(len(loadable) + 1) for c in itertools.combinations(loadable, n)
+                    if fits(set(c) - kept, pcie[e]) and fits(set(c) | running_keys, capacity - outputs)]
+            options += [best(e + 1, g, h) for g in maximal(gpus)]
+        return gain + max(options)
+
+    return best(0, frozenset(), frozenset())
+
+
+def random_tiers(rng: random.Random):
+    """An instance under pressure (a flush, little slack) with a host capacity (or none) and a
+    PCIe budget in about half of the gaps."""
+    events, capacity, size = random_instance(rng, flush=True, slack=1, admit=0.3)
+    host = rng.choice([0, rng.randint(2, 8), rng.randint(2, 8)])
+    pcie = [rng.choice([0, rng.randint(1, 6)]) for _ in events]
+    return events, capacity, size, host, pcie
+
+
+def test_prefetch_and_either_tier_bounds_are_at_least_the_exact_optima():
+    rng = random.Random(1)
+    tight = {"prefetch": 0, "any_tier": 0}
+    above_eviction = 0
+    for _ in range(200):
+        events, capacity, size, host, pcie = random_tiers(rng)
+        bounds = upper_bounds(events, capacity, host, pcie)
+        exact = {"prefetch": exact_with_host(events, capacity, size, host, pcie, either_tier=False),
+                 "any_tier": exact_with_host(events, capacity, size, host, pcie, either_tier=True)}
+        for kind, value in exact.items():
+            bound = getattr(bounds, kind)
+            assert bound.method == "lp"
+            assert bound.hit_tokens >= value - 1e-9, (kind, events, capacity, host, pcie)
+            tight[kind] += abs(bound.hit_tokens - value) < 1e-3
+        assert bounds.eviction.hit_tokens <= bounds.prefetch.hit_tokens <= bounds.any_tier.hit_tokens
+        above_eviction += exact["prefetch"] > bounds.eviction.hit_tokens + 1e-3  # prefetch beats every eviction policy
+        cheap = upper_bounds(events, capacity, host, pcie, max_lp_intervals=0)  # PFOO-U bounds each LP
+        for kind in ("eviction", "prefetch", "any_tier"):
+            assert getattr(cheap, kind).hit_tokens >= getattr(bounds, kind).hit_tokens - 1e-4
+    assert above_eviction > 15  # the instances exercise prefetch: the eviction bound would not hold there
+    assert tight["prefetch"] > 120 and tight["any_tier"] > 150  # and the bounds are mostly the optima themselves
+
+
+def test_without_host_or_pcie_time_prefetch_is_eviction():
+    rng = random.Random(2)
+    for _ in range(100):
+        events, capacity, size, host, pcie = random_tiers(rng)
+        eviction = upper_bound(events, capacity).hit_tokens
+        assert upper_bounds(events, capacity, 0, pcie).prefetch.hit_tokens == eviction  # no host copies
+        assert upper_bounds(events, capacity, 0, pcie).any_tier.hit_tokens == eviction
+        assert upper_bounds(events, capacity, max(host, 1), [0] * len(events)).prefetch.hit_tokens == \
+            pytest.approx(eviction, abs=1e-3)  # no PCIe time: (P) forces y = 0
+
+
+def test_a_key_brought_back_within_the_pcie_budget():
+    # request 0 reads key 1 and finishes; request 1 needs the whole GPU, so key 1 must leave it
+    # (to the host); request 2 reads key 1 again: a GPU hit only if prefetch loads it back in the
+    # gap before its admission, and only as much of it as that gap's PCIe budget carries
+    events = [(True, 0, (1,), (5,), None, 0), (False, 0, (1,), (5,), None, 0), (True, 1, (2,), (5,), None, 0),
+              (False, 1, (2,), (5,), None, 0), (True, 2, (1,), (5,), None, 0), (False, 2, (1,), (5,), None, 0)]
+    size = {1: 5, 2: 5}
+    for pcie_before_read, expected in ((5, 5), (3, 3), (0, 0)):
+        pcie = [0, 0, 0, pcie_before_read, 0, 0]
+        bounds = upper_bounds(events, 5, 5, pcie)
+        assert bounds.eviction.hit_tokens == pytest.approx(0, abs=1e-3)
+        assert bounds.prefetch.hit_tokens == pytest.approx(expected, abs=1e-3)
+        assert bounds.any_tier.hit_tokens == pytest.approx(5, abs=1e-3)  # a host hit in any case
+        assert exact_with_host(events, 5, size, 5, pcie, either_tier=False) == (5 if pcie_before_read == 5 else 0)
+    # budget only before key 1 was cached: nothing to load then
+    assert upper_bounds(events, 5, 5, [5, 0, 0, 0, 0, 0]).prefetch.hit_tokens == pytest.approx(0, abs=1e-3)
+    assert upper_bounds(events, 5, 0, [0, 0, 0, 5, 0, 0]).any_tier.hit_tokens == pytest.approx(0, abs=1e-3)  # no host
+
+
+# (workload, GPU tokens, PCIe bandwidth in bytes/s): H100's 64 GB/s, and a slow link on which the
+# idle time's PCIe budget, not the host tier, limits what prefetch can bring back
+CASES = [("hover", 60_000, 64e9), ("hover", 150_000, 64e9), ("swebench", 120_000, 64e9), ("swebench", 120_000, 2e8)]
+
+
+@pytest.mark.parametrize("kind,gpu,pcie", CASES)
+def test_no_policy_beats_its_own_bound(kind, gpu, pcie):
     workflows = small_workload(kind, 30, 3)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))
     config = SimConfig(gpu_tokens=gpu, concurrency=8)
+    cost = dataclasses.replace(H100, pcie_bandwidth=pcie)
     perfect = PerfectSource(names, 3)
     graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
     runs = {"lru": {}, "lfu": {}, "tlru": {}, "pbkv_lae": {}, "pbkv": {"predictions": perfect},
             "pbkv+conservative": {"predictions": perfect, "prefetch": "conservative"},
+            "pbkv+aggressive": {"predictions": perfect, "prefetch": "aggressive"},
             "kvflow_ideal": {"predictions": graph, "prefetch": "aggressive"},
-            "kvflow": {"predictions": graph, "prefetch": "kvflow"}, "oracle": {"predictions": perfect}}
+            "kvflow": {"predictions": graph, "prefetch": "kvflow"}, "oracle": {"predictions": perfect},
+            "oracle+aggressive": {"predictions": perfect, "prefetch": "aggressive"}}
+    rows = {}
     for label, kwargs in runs.items():
-        row = simulate(workflows, config, H100, policy=label.split("+")[0], **kwargs)
-        assert row["hit_rate"] <= row["bound_hit_rate"], label
-        assert row["bound_method"].startswith("lp")
+        row = rows[label] = simulate(workflows, config, cost, policy=label.split("+")[0], **kwargs)
+        own = "bound_prefetch_hit_rate" if kwargs.get("prefetch", "none") != "none" else "bound_hit_rate"
+        assert row["hit_rate"] <= row[own], label
+        assert row["recompute_rate"] >= row["bound_recompute_rate"], label  # GPU + host hits: any policy
+        assert row["bound_hit_rate"] <= row["bound_prefetch_hit_rate"] <= 1 - row["bound_recompute_rate"] + 1e-12
+        assert row["bound_method"] == "lp"
         assert row["bound_hit_rate"] < 1.0  # first reads always miss
+    if (kind, pcie) == ("swebench", 64e9):  # prefetch reaches GPU hits no eviction policy can: the bound it needs
+        assert rows["pbkv+aggressive"]["hit_rate"] > rows["pbkv+aggressive"]["bound_hit_rate"]
+    if pcie < 1e9:  # the PCIe budget binds: less than every hit in either tier could be brought back
+        assert rows["pbkv+aggressive"]["bound_prefetch_hit_rate"] < 1 - rows["pbkv+aggressive"]["bound_recompute_rate"] - 0.01
