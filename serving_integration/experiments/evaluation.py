@@ -22,8 +22,9 @@ the same workflows and seed. The policies (`policies=[...]`):
     pbkv_perfect      the same score fed the true future agents (a perfect predictor)
     oracle            clairvoyant eviction by furthest next use of the real future, prefetching
                       for the true next calls: a heuristic reference, not a bound (policies can
-                      beat it); every row's bound_hit_rate is a proven upper bound on its own
-                      request sequence (serving_integration/simulator/bound.py)
+                      beat it); every row carries proven bounds on its own request sequence
+                      (serving_integration/simulator/bound.py), and setting_bound_hit_rate, the
+                      one of its setting that no row of its prefetch class exceeds (rows.py)
 
 `prefetch=[none,conservative,aggressive]` applies to pbkv, pbkv_perfect and oracle (the paper's
 full PBKV is pbkv with conservative prefetch); `predictor.noise` mixes pbkv's predictions with
@@ -70,7 +71,7 @@ from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, 
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.experiments.config import PredictorConfig, Settings, settings
 from serving_integration.experiments.presentation import OWN_PREFETCH
-from serving_integration.experiments.rows import add_gap_closed, aggregate_seeds, make_row
+from serving_integration.experiments.rows import add_setting_bounds, aggregate_seeds, check_bounds, make_row
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.engine import simulate
 
@@ -278,7 +279,8 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int) ->
             rows.append(setting.run(replayed, kv.policy, "none", {"policy": kv.policy}, comparison="kv",
                                     layout=layout, kv_method="none" if layout == "none" else kv.method,
                                     kv_budget=None if layout == "none" else kv.budget))
-    add_gap_closed(rows)
+    add_setting_bounds(rows)
+    check_bounds(rows)  # a row above a proven bound means the proof or the code is wrong: stop here
     working_set = live_working_set_tokens(replay.workflows, sim.concurrency)
     for row in rows:
         row["live_working_set_tokens"] = working_set

@@ -31,7 +31,7 @@ def row_label(r: dict) -> str:
         name += f" [{r['trust']}]"  # always: the paper's policy; outcome trust is pbkv's default
     if r.get("noise_kind") == "adversarial":
         name += " adversarial"  # the noise level is the row's `noise`
-    if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (the bound is bound_hit_rate)
+    if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (rows.py: the bounds)
         name += " (heuristic, Belady)"
     if r.get("replicas", 1) > 1:
         name += f" @{r['routing']} x{r['replicas']}"
@@ -39,16 +39,22 @@ def row_label(r: dict) -> str:
 
 
 TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("trust", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
-                 ("reuse_rate", "{:.1%}"), ("recompute_rate", "{:.1%}"), ("bound_hit_rate", "{:.1%}"),
-                 ("gap_closed", "{:.2f}"), ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
+                 ("reuse_rate", "{:.1%}"), ("recompute_rate", "{:.1%}"), ("setting_bound_hit_rate", "{:.1%}"),
+                 ("gap_closed", "{:.2f}"), ("setting_bound_recompute_rate", "{:.1%}"), ("gap_closed_recompute", "{:.2f}"),
+                 ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
                  ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
                  ("x_lru_latency", "{:.2f}"), ("time_tool_s", "{:.2f}"), ("time_queue_s", "{:.2f}"),
                  ("time_prefill_s", "{:.2f}"), ("time_decode_s", "{:.2f}"), ("time_pcie_s", "{:.2f}"))
-# the table's notes: what the columns that are not plain metrics mean
-TABLE_NOTES = ("bound_hit_rate: an upper bound on the GPU hit rate of any eviction policy on the row's own request "
-               "sequence (FOO-style interval LP); gap_closed = (hit - LRU) / (bound - LRU); oracle is a heuristic "
-               "(Belady by distance in calls), not a bound; time_*_s: mean seconds per workflow in tool calls, "
-               "admission queue, prefill, decode and PCIe loads (they add up to the mean workflow latency)")
+# the table's notes: what the columns that are not plain metrics mean (rows.py add_setting_bounds)
+TABLE_NOTES = ("setting_bound_hit_rate: a GPU hit rate that no row of this setting and prefetch class exceeds (the "
+               "max over the setting's rows of a bound proven on each row's own request sequence, FOO-style interval "
+               "LPs in simulator/bound.py: for rows without prefetch, no eviction policy reaches a higher GPU hit rate "
+               "on that sequence; for rows with prefetch, no eviction policy that also prefetches from the host "
+               "within the idle PCIe time does); setting_bound_recompute_rate: a share of prompt tokens every policy "
+               "recomputes (the min over the rows' sequences, GPU + host capacity); gap_closed = (hit - LRU) / "
+               "(bound - LRU); gap_closed_recompute = (LRU - recompute) / (LRU - recompute bound); oracle is a "
+               "heuristic (Belady by distance in calls), not a bound; time_*_s: mean seconds per workflow in tool "
+               "calls, admission queue, prefill, decode and PCIe loads (they add up to the mean workflow latency)")
 
 
 def table_rows(rows: list[dict]) -> list[dict]:

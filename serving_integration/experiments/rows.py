@@ -1,7 +1,7 @@
 """The summary row: its schema (the labels every row carries, with their defaults, and the metrics
-every row has) and the rules across rows (gap closed against LRU, the mean over seeds). Used by
-evaluate.py, the bench client, validate_sim, the report and the tests; how rows are printed and
-plotted is presentation.py's."""
+every row has) and the rules across rows (the setting's bounds and gap closed against LRU, the check
+that no row beats a bound, the mean over seeds). Used by evaluate.py, the bench client,
+validate_sim, the report and the tests; how rows are printed and plotted is presentation.py's."""
 
 from __future__ import annotations
 
@@ -25,8 +25,22 @@ SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens"
            "end_signal_loss", "replicas", "routing", "hicache_ratio")
 
 
-# metrics every row carries, null where a run cannot compute them (the bench client has no bound)
-ROW_METRIC_DEFAULTS = {"bound_hit_rate": None, "bound_method": None, "gap_closed": None}
+# metrics every row carries, null where a run cannot compute them (the bench client has no bound; a
+# summary.json written before a metric existed lacks it). Per row, on the row's own request sequence
+# (serving_integration/simulator/bound.py, where each is proven; summed over replicas in a cluster):
+ROW_METRIC_DEFAULTS = {
+    "bound_hit_rate": None,  # no eviction policy without prefetch reaches a higher GPU hit rate
+    "bound_prefetch_hit_rate": None,  # nor one that also prefetches from the host in the run's idle PCIe time
+    "bound_recompute_rate": None,  # no policy at all recomputes a smaller share of prompt tokens
+    "bound_method": None,  # how they were solved: lp, or pfoo_u (bound.py's fallback for large runs), "+"-joined
+    # per setting and seed, over its rows (add_setting_bounds): what tables print beside the row
+    "setting_bound_hit_rate": None,  # max over the rows of the bound of this row's class (prefetch none / any)
+    "setting_bound_recompute_rate": None,  # min over the rows of bound_recompute_rate
+    "gap_closed": None,  # (hit_rate - LRU's) / (setting_bound_hit_rate - LRU's)
+    "gap_closed_recompute": None,  # (LRU's recompute_rate - row's) / (LRU's - setting_bound_recompute_rate)
+}
+# a row's prefetch class, and the bound of its own sequence that covers it
+CLASS_BOUND = {"none": "bound_hit_rate", "prefetch": "bound_prefetch_hit_rate"}
 
 
 def make_row(labels: dict, metrics: dict) -> dict:
@@ -37,20 +51,79 @@ def make_row(labels: dict, metrics: dict) -> dict:
     return {**ROW_LABELS, **labels, **ROW_METRIC_DEFAULTS, **metrics}
 
 
-def add_gap_closed(rows: list[dict]) -> list[dict]:
-    """gap_closed = (hit_rate - LRU's) / (bound_hit_rate - LRU's): the share of the distance from
-    LRU to the row's own upper bound (simulator/bound.py) that the policy covers. LRU's row is the
-    one of the same setting (same workflows, sizes, layout and seed); null without one, or where
-    the bound leaves no room above LRU."""
-    def key(r):
-        return (*(r.get(k) for k in SETTING), r["comparison"], r.get("layout"), r.get("kv_budget"), r.get("seed"))
+def prefetch_class(row: dict) -> str:
+    return "none" if row["prefetch"] == "none" else "prefetch"
 
-    lru = {key(r): r["hit_rate"] for r in rows if r["policy"] == "lru" and r["prefetch"] == "none"}
+
+def setting_key(row: dict) -> tuple:
+    """Rows compared with each other: the same setting (same workflows, sizes), comparison, layout and seed."""
+    return (*(row.get(k) for k in SETTING), row["comparison"], row.get("layout"), row.get("kv_budget"), row.get("seed"))
+
+
+def add_setting_bounds(rows: list[dict]) -> list[dict]:
+    """Per setting and seed, the bounds every row of a class respects, and gap closed against them.
+
+    setting_bound_hit_rate: for a row without prefetch, the max over the setting's rows of
+    bound_hit_rate; with prefetch, the max of bound_prefetch_hit_rate. No row of the class exceeds
+    it: each row's hit rate is at most its own sequence's bound of the class (bound.py: the
+    eviction bound holds for every run without prefetch, the prefetch bound for every run with
+    it), and that is at most the max. The max runs over every row of the setting, both classes:
+    each row's bound is a bound on its own sequence, whoever produced it, so the max only grows;
+    and as each row's prefetch bound is at least its eviction bound, the prefetch class's bound is
+    at least the other's. setting_bound_recompute_rate, the min of bound_recompute_rate, holds
+    likewise for every row (a bound on any policy). gap_closed = (hit_rate - LRU's) /
+    (setting_bound_hit_rate - LRU's) and gap_closed_recompute = (LRU's recompute_rate - row's) /
+    (LRU's - setting_bound_recompute_rate), against LRU's row without prefetch of the setting; null
+    without one, without a bound, or where the bound leaves no room beyond LRU."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        base, bound = lru.get(key(r)), r.get("bound_hit_rate")
-        room = bound - base if base is not None and bound is not None else None
-        r["gap_closed"] = (r["hit_rate"] - base) / room if room is not None and room > 1e-12 else None
+        groups.setdefault(setting_key(r), []).append(r)
+    for group in groups.values():
+        lru = next((r for r in group if r["policy"] == "lru" and r["prefetch"] == "none"), None)
+        best = {cls: _extreme(max, group, name) for cls, name in CLASS_BOUND.items()}
+        recompute = _extreme(min, group, "bound_recompute_rate")
+        for r in group:
+            bound = best[prefetch_class(r)]
+            r["setting_bound_hit_rate"], r["setting_bound_recompute_rate"] = bound, recompute
+            r["gap_closed"] = _share(r["hit_rate"], lru and lru["hit_rate"], bound)
+            r["gap_closed_recompute"] = _share(r.get("recompute_rate"), lru and lru.get("recompute_rate"), recompute)
     return rows
+
+
+def _extreme(pick, rows: list[dict], name: str):
+    values = [r[name] for r in rows if r.get(name) is not None]
+    return pick(values) if values else None
+
+
+def _share(value, base, target):
+    """(value - base) / (target - base): the share of the distance from LRU to the bound covered."""
+    if value is None or base is None or target is None or abs(target - base) <= 1e-12:
+        return None
+    return (value - base) / (target - base)
+
+
+class BoundViolated(AssertionError):
+    """A row beat a proven bound: the proof or the code is wrong (simulator/bound.py)."""
+
+
+def check_bounds(rows: list[dict], tolerance: float = 1e-9) -> None:
+    """Fail loudly where a row's GPU hit rate exceeds its setting's bound for its class (or its own
+    sequence's), or its recomputed share is below the setting's bound (or its own)."""
+    for r in rows:
+        own = r.get(CLASS_BOUND[prefetch_class(r)])
+        for name, bound in (("setting_bound_hit_rate", r.get("setting_bound_hit_rate")),
+                            (CLASS_BOUND[prefetch_class(r)], own)):
+            if bound is not None and r["hit_rate"] > bound + tolerance:
+                raise BoundViolated(f"{_describe(r)}: hit_rate {r['hit_rate']!r} exceeds {name} {bound!r}")
+        for name in ("setting_bound_recompute_rate", "bound_recompute_rate"):
+            bound = r.get(name)
+            if bound is not None and r["recompute_rate"] < bound - tolerance:
+                raise BoundViolated(f"{_describe(r)}: recompute_rate {r['recompute_rate']!r} is below {name} {bound!r}")
+
+
+def _describe(row: dict) -> str:
+    labels = ("workload", "policy", "prefetch", "trust", "predictor", "layout", "gpu_tokens", "concurrency", "seed")
+    return "row " + ", ".join(f"{k}={row.get(k)}" for k in labels)
 
 
 def aggregate_seeds(rows: list[dict]) -> list[dict]:

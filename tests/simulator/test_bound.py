@@ -250,3 +250,25 @@ def test_no_policy_beats_its_own_bound(kind, gpu, pcie):
         assert rows["pbkv+aggressive"]["hit_rate"] > rows["pbkv+aggressive"]["bound_hit_rate"]
     if pcie < 1e9:  # the PCIe budget binds: less than every hit in either tier could be brought back
         assert rows["pbkv+aggressive"]["bound_prefetch_hit_rate"] < 1 - rows["pbkv+aggressive"]["bound_recompute_rate"] - 0.01
+
+
+def test_a_clusters_bounds_are_the_sum_of_its_replicas():
+    """Hits happen per replica: each replica's bounds on the calls routed to it, at its own GPU and
+    host capacity and PCIe time, summed, bound the cluster's hits."""
+    from serving_integration.simulator.bound import prefetch_budgets, sequence_from_trace
+    from serving_integration.simulator.engine import Simulator, bound_metrics
+
+    workflows = small_workload("hover", 20, 5)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    config = SimConfig(gpu_tokens=120_000, concurrency=8, replicas=2, routing="round_robin")
+    sim = Simulator(workflows, config, H100, policy="pbkv", prefetch="aggressive", predictions=PerfectSource(names, 3))
+    counters = sim.run()
+    row = bound_metrics(sim)
+    parts = [upper_bounds(sequence_from_trace(s.trace), s.tree.gpu_capacity, s.tree.host_capacity,
+                          prefetch_budgets(s.trace, H100.pcie_tokens_per_s)) for s in sim.servers]
+    assert all(s.tree.gpu_capacity == 60_000 and s.tree.host_capacity == 120_000 for s in sim.servers)
+    prompt = counters.prompt_tokens
+    assert row["bound_prefetch_hit_rate"] == pytest.approx(sum(p.prefetch.hit_tokens for p in parts) / prompt)
+    assert row["bound_recompute_rate"] == pytest.approx(1 - sum(p.any_tier.hit_tokens for p in parts) / prompt)
+    assert counters.gpu_hit_tokens / prompt <= row["bound_prefetch_hit_rate"]
+    assert (counters.miss_tokens / prompt) >= row["bound_recompute_rate"]
