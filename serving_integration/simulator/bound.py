@@ -88,11 +88,15 @@ endpoints: z_j = z_{j-1} + (sizes of intervals starting at j) - (sizes of those 
 j), 0 <= z_j <= min over the segment of the capacity. That takes about 2 nonzeros per interval
 instead of one per gap spanned; (P) is written the same way down each hierarchy, one sum
 variable per window (itself, plus its two halves), and scipy's HiGHS (scipy.optimize.linprog)
-solves it. Above `max_lp_intervals` the cheap PFOO-U-style bound runs instead, for all three
-bounds (the same paper's PFOO-U): the sum of all the gap constraints is one knapsack constraint
-(sum of s_i x len_i x_i <= sum of capacities), whose fractional optimum, filled greedily by
-w_i / (s_i len_i), bounds the LP from above; for prefetch, the knapsack of (U) alone (x + y
-counted as one variable), which bounds the any-tier LP and hence the prefetch LP.
+solves it. The any-tier LP is solved first: the prefetch LP's optimum is at most its optimum, and
+where its hits, all taken as prefetch hits (x = 0, y = those hits), satisfy (G') and (P) (an O(n
+log n) check; (U) they satisfy already), the two optima are equal and the larger LP is not
+solved (where PCIe time is plentiful, as on an H100, that is the usual case). Above
+`max_lp_intervals` the cheap PFOO-U-style bound runs instead, for all three bounds (the same
+paper's PFOO-U): the sum of all the gap constraints is one knapsack constraint (sum of s_i x len_i
+x_i <= sum of capacities), whose fractional optimum, filled greedily by w_i / (s_i len_i), bounds
+the LP from above; for prefetch, the knapsack of (U) alone (x + y counted as one variable), which
+bounds the any-tier LP and hence the prefetch LP.
 """
 
 from __future__ import annotations
@@ -243,25 +247,30 @@ def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0,
         return Bound(free + value, method, free, n, rows, nnz, time.perf_counter() - since)
 
     def eviction_lp(capacities, since):
+        """(the bound, the LP's hits x or None) of the eviction LP with these capacities."""
         solved = None if cheap else _eviction_lp(a, b, s, w, capacities)
         if solved is None:  # above the size limit, or the solver failed: the relaxation still bounds it
-            return finish(_knapsack(a, b, s, w, capacities), "pfoo_u", 1, n, since)
-        return finish(solved[0], "lp", *solved[1:], since)
+            return finish(_knapsack(a, b, s, w, capacities), "pfoo_u", 1, n, since), None
+        value, rows, nonzeros, hits = solved
+        return finish(value, "lp", rows, nonzeros, since), hits
 
-    eviction = eviction_lp(caps, started)
+    eviction, _ = eviction_lp(caps, started)
     if host_capacity <= 0:  # no host copies: nothing to prefetch, no host hits (points 5 and 6)
         return Bounds(eviction, eviction, eviction)
     since = time.perf_counter()
-    any_tier = _at_least(eviction_lp(caps + host_capacity, since), eviction)
+    any_tier, hits = eviction_lp(caps + host_capacity, since)
+    any_tier = _at_least(any_tier, eviction)
     budgets = np.zeros(len(caps)) if pcie is None else np.asarray(pcie, dtype=np.float64)
     since = time.perf_counter()
     if not budgets.any():  # no PCIe time for prefetch: (P) forces y = 0 (point 5)
         prefetch = eviction
-    elif cheap:
+    elif hits is None or _all_prefetched(a, b, s, hits, caps, budgets):
+        # the any-tier bound bounds the prefetch LP (point 5); where its hits, all taken as prefetch
+        # hits (x = 0, y = those hits), are feasible for the prefetch LP, it is that LP's optimum
         prefetch = finish(any_tier.hit_tokens - free, any_tier.method, 0, 0, since)
     else:
         solved = _prefetch_lp(a, b, s, w, caps, caps + host_capacity, budgets)
-        prefetch = (finish(solved[0], "lp", *solved[1:], since) if solved is not None  # else the any-tier bound bounds it (point 6)
+        prefetch = (finish(solved[0], "lp", *solved[1:], since) if solved is not None  # else, as above
                     else finish(any_tier.hit_tokens - free, any_tier.method, 0, 0, since))
     prefetch = _at_least(prefetch, eviction)
     return Bounds(eviction, prefetch, _at_least(any_tier, prefetch))
@@ -292,53 +301,101 @@ def _chain(starts, ends, sizes, columns, caps, first_row: int, first_z: int):
     return (rows, cols, vals), seg_caps
 
 
-def _hierarchy(lo, hi, sizes, columns, cum_budget, offset: int, first_row: int, first_sum: int):
-    """(P) over one dyadic hierarchy of windows of budget positions shifted by `offset`: for every
-    window that contains the budget span [lo, hi] of some item, one sum variable S = the sizes x
-    columns of the items whose smallest containing window it is + S of its two halves, at most the
-    window's budget (`cum_budget`: cumulative budgets, 0 first). COO (rows, cols, vals) and the S
-    variables' upper bounds."""
-    m = len(cum_budget) - 1
+def _budget_spans(a, b, budgets):
+    """The gaps with a PCIe budget, and for each interval the first and last of them it spans (lo >
+    hi: none); the cumulative budgets (0 first); the offsets of the two hierarchies of (P)."""
+    positions = np.flatnonzero(budgets > 0)
+    lo = np.searchsorted(positions, a, side="left")
+    hi = np.searchsorted(positions, b, side="right") - 1
+    cum = np.concatenate([[0.0], np.cumsum(budgets[positions])])
+    m = len(positions)
+    return lo, hi, cum, sorted({0, (1 << int(m - 1).bit_length()) // 3})
+
+
+def _windows(lo, hi, m: int, offset: int):
+    """Per item, the level and index of the smallest window of the hierarchy shifted by `offset`
+    that holds its budget span (a window at level l, index c: positions c 2^l .. (c+1) 2^l - 1,
+    shifted); the top level; per level, the sorted windows that hold some item's span."""
     start, stop = lo + offset, hi + offset
     top = int(m - 1 + offset).bit_length()
     level = np.zeros(len(lo), dtype=np.int64)
     for bit in range(top + 1):  # the bit length of start ^ stop: the level of the smallest window holding both
         level += (start >> bit) != (stop >> bit)
     window = start >> level
-    windows_by_level, first_id = [], [first_sum]
+    by_level = []
     for lvl in range(top + 1):
         here = level <= lvl
-        windows_by_level.append(np.unique(window[here] >> (lvl - level[here])))
-        first_id.append(first_id[-1] + len(windows_by_level[-1]))
-    total = first_id[-1] - first_sum
-    rows_of = lambda lvl, idx: first_row + first_id[lvl] - first_sum + idx  # noqa: E731
+        by_level.append(np.unique(window[here] >> (lvl - level[here])))
+    return level, window, top, by_level
+
+
+def _window_budgets(cells, lvl: int, offset: int, cum):
+    m = len(cum) - 1
+    begin = np.clip((cells << lvl) - offset, 0, m)
+    end = np.clip(((cells + 1) << lvl) - offset, 0, m)
+    return cum[end] - cum[begin]
+
+
+def _all_prefetched(a, b, s, hits, caps, budgets, tolerance: float = 1e-6) -> bool:
+    """Whether x = 0, y = `hits` satisfies the prefetch LP's (G') and (P) (its (U) holds for the
+    any-tier LP's hits): then that LP's optimum is the any-tier one."""
+    loads = s * np.clip(hits, 0.0, 1.0)
+    at_read = np.zeros(len(caps))
+    np.add.at(at_read, b, loads)  # (G') with x = 0: what is read next, on the gap before
+    if np.any(at_read > caps + tolerance * (1 + caps)):
+        return False
+    lo, hi, cum, offsets = _budget_spans(a, b, budgets)
+    has = lo <= hi
+    if np.any(loads[~has] > tolerance):  # no PCIe time inside the interval
+        return False
+    for offset in offsets:
+        level, window, top, by_level = _windows(lo[has], hi[has], len(cum) - 1, offset)
+        for lvl in range(top + 1):
+            here = level <= lvl
+            cells = by_level[lvl]
+            total = np.zeros(len(cells))
+            np.add.at(total, np.searchsorted(cells, window[here] >> (lvl - level[here])), loads[has][here])
+            budget = _window_budgets(cells, lvl, offset, cum)
+            if np.any(total > budget + tolerance * (1 + budget)):
+                return False
+    return True
+
+
+def _hierarchy(lo, hi, sizes, columns, cum_budget, offset: int, first_row: int, first_sum: int):
+    """(P) over one dyadic hierarchy of windows of budget positions shifted by `offset`: for every
+    window that contains the budget span [lo, hi] of some item, one sum variable S = the sizes x
+    columns of the items whose smallest containing window it is + S of its two halves, at most the
+    window's budget (`cum_budget`: cumulative budgets, 0 first). COO (rows, cols, vals) and the S
+    variables' upper bounds."""
+    level, window, top, by_level = _windows(lo, hi, len(cum_budget) - 1, offset)
+    first_id = np.concatenate([[0], np.cumsum([len(cells) for cells in by_level])])  # per level, its first S
+    total = int(first_id[-1])
     item_rows = np.empty(len(lo), dtype=np.int64)
     for lvl in range(top + 1):
         at = level == lvl
-        item_rows[at] = rows_of(lvl, np.searchsorted(windows_by_level[lvl], window[at]))
-    rows, cols, vals = [item_rows, np.arange(total) + first_row], [columns, np.arange(total) + first_sum], \
+        item_rows[at] = first_row + first_id[lvl] + np.searchsorted(by_level[lvl], window[at])
+    rows, cols, vals = [item_rows, first_row + np.arange(total)], [columns, first_sum + np.arange(total)], \
         [-sizes, np.ones(total)]
     upper = np.empty(total)
     for lvl in range(top + 1):
-        cells = windows_by_level[lvl]
-        ids = first_id[lvl] - first_sum + np.arange(len(cells))
-        begin = np.clip((cells << lvl) - offset, 0, m)
-        end = np.clip(((cells + 1) << lvl) - offset, 0, m)
-        upper[ids] = cum_budget[end] - cum_budget[begin]
-        below = windows_by_level[lvl - 1] if lvl else ()
+        cells = by_level[lvl]
+        ids = first_id[lvl] + np.arange(len(cells))
+        upper[ids] = _window_budgets(cells, lvl, offset, cum_budget)
+        below = by_level[lvl - 1] if lvl else ()
         if len(below):
             for half in (0, 1):
                 child = 2 * cells + half
                 at = np.minimum(np.searchsorted(below, child), len(below) - 1)
                 found = below[at] == child
                 rows.append(first_row + ids[found])
-                cols.append(first_id[lvl - 1] + at[found])
+                cols.append(first_sum + first_id[lvl - 1] + at[found])
                 vals.append(-np.ones(int(found.sum())))
     return (np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)), upper
 
 
 def _solve(cost, blocks, n_rows: int, n_cols: int, upper, a_ub=None, b_ub=None):
-    """linprog (HiGHS) over equality rows from COO `blocks`, 0 <= variables <= upper; (value, nonzeros)."""
+    """linprog (HiGHS) over equality rows from COO `blocks`, 0 <= variables <= upper; (value or None
+    if HiGHS failed, nonzeros, solution)."""
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
@@ -347,20 +404,20 @@ def _solve(cost, blocks, n_rows: int, n_cols: int, upper, a_ub=None, b_ub=None):
     bounds = np.column_stack([np.zeros(n_cols), upper])
     res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=matrix, b_eq=np.zeros(n_rows), bounds=bounds, method="highs")
     nonzeros = matrix.nnz + (a_ub.nnz if a_ub is not None else 0)
-    return (None if res.status != 0 else -float(res.fun)), nonzeros
+    return (None if res.status != 0 else -float(res.fun)), nonzeros, res.x
 
 
 def _eviction_lp(a, b, s, w, caps):
-    """(value, rows, nonzeros) of the eviction LP (point 4) with capacities `caps`; None if HiGHS fails."""
+    """(value, rows, nonzeros, x) of the eviction LP (point 4) with capacities `caps`; None if HiGHS fails."""
     n = len(a)
     block, seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
     n_seg = len(seg_caps)
-    value, nonzeros = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg,
-                             np.concatenate([np.ones(n), seg_caps]))
+    value, nonzeros, solution = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg,
+                                       np.concatenate([np.ones(n), seg_caps]))
     if value is None:
         return None
     # HiGHS's optimality tolerances are relative (1e-7): add a margin so rounding can only loosen it
-    return value + 1e-6 * float(w.sum()), n_seg, nonzeros
+    return value + 1e-6 * float(w.sum()), n_seg, nonzeros, solution[:n]
 
 
 def _prefetch_lp(a, b, s, w, caps, union_caps, budgets):
@@ -380,14 +437,10 @@ def _prefetch_lp(a, b, s, w, caps, union_caps, budgets):
         upper.append(seg_caps)
         n_rows += len(seg_caps)
     # (P): the budget positions (gaps with a budget) within each interval
-    positions = np.flatnonzero(budgets > 0)
-    lo = np.searchsorted(positions, a, side="left")
-    hi = np.searchsorted(positions, b, side="right") - 1
+    lo, hi, cum, offsets = _budget_spans(a, b, budgets)
     has = lo <= hi
     upper[0][ys[~has]] = 0.0  # no PCIe time inside the interval: no prefetch hit
-    cum = np.concatenate([[0.0], np.cumsum(budgets[positions])])
-    m = len(positions)
-    for offset in sorted({0, (1 << int(m - 1).bit_length()) // 3}):
+    for offset in offsets:
         block, sums = _hierarchy(lo[has], hi[has], s[has], ys[has], cum, offset, n_rows, 2 * n + n_rows)
         blocks.append(block)
         upper.append(sums)
@@ -395,7 +448,7 @@ def _prefetch_lp(a, b, s, w, caps, union_caps, budgets):
     one_hit = coo_matrix((np.ones(2 * n), (np.concatenate([xs, xs]), np.concatenate([xs, ys]))),
                          shape=(n, 2 * n + n_rows)).tocsr()  # x_i + y_i <= 1
     cost = np.concatenate([-w, -w, np.zeros(n_rows)])
-    value, nonzeros = _solve(cost, blocks, n_rows, 2 * n + n_rows, np.concatenate(upper), one_hit, np.ones(n))
+    value, nonzeros, _ = _solve(cost, blocks, n_rows, 2 * n + n_rows, np.concatenate(upper), one_hit, np.ones(n))
     if value is None:
         return None
     return value + 1e-6 * float(w.sum()), n_rows + n, nonzeros

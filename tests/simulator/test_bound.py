@@ -8,10 +8,11 @@ import itertools
 import random
 from functools import lru_cache
 
+import numpy as np
 import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
-from serving_integration.simulator.bound import intervals, upper_bound, upper_bounds
+from serving_integration.simulator.bound import _prefetch_lp, intervals, upper_bound, upper_bounds
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
@@ -178,6 +179,10 @@ def test_prefetch_and_either_tier_bounds_are_at_least_the_exact_optima():
             assert bound.method == "lp"
             assert bound.hit_tokens >= value - 1e-9, (kind, events, capacity, host, pcie)
             tight[kind] += abs(bound.hit_tokens - value) < 1e-3
+        if host and any(pcie):  # the prefetch LP itself, also where the any-tier optimum stands for it
+            free, a, b, s, w, caps = intervals(events, capacity)
+            solved = _prefetch_lp(a, b, s, w, caps, caps + host, np.asarray(pcie, dtype=float)) if len(a) else (0,)
+            assert exact["prefetch"] - 1e-9 <= free + solved[0] <= bounds.prefetch.hit_tokens + 1e-6
         assert bounds.eviction.hit_tokens <= bounds.prefetch.hit_tokens <= bounds.any_tier.hit_tokens
         above_eviction += exact["prefetch"] > bounds.eviction.hit_tokens + 1e-3  # prefetch beats every eviction policy
         cheap = upper_bounds(events, capacity, host, pcie, max_lp_intervals=0)  # PFOO-U bounds each LP
