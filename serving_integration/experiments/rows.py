@@ -32,7 +32,9 @@ ROW_METRIC_DEFAULTS = {
     "bound_hit_rate": None,  # no eviction policy without prefetch reaches a higher GPU hit rate
     "bound_prefetch_hit_rate": None,  # nor one that also prefetches from the host in the run's idle PCIe time
     "bound_recompute_rate": None,  # no policy at all recomputes a smaller share of prompt tokens
-    "bound_method": None,  # how they were solved: lp, or pfoo_u (bound.py's fallback for large runs), "+"-joined
+    # how they were solved, "+"-joined: lp, pfoo_u (bound.py's fallback for large runs), any_tier
+    # (a large run's prefetch bound: the recompute bound's GPU + host hits stand for it)
+    "bound_method": None,
     # per setting and seed, over its rows (add_setting_bounds): what tables print beside the row
     "setting_bound_hit_rate": None,  # max over the rows of the bound of this row's class (prefetch none / any)
     "setting_bound_recompute_rate": None,  # min over the rows of bound_recompute_rate

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
-from serving_integration.simulator.bound import _prefetch_lp, intervals, upper_bound, upper_bounds
+from serving_integration.simulator.bound import PREFETCH_LP_COST, _prefetch_lp, intervals, upper_bound, upper_bounds
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
@@ -217,6 +217,11 @@ def test_a_key_brought_back_within_the_pcie_budget():
         assert bounds.prefetch.hit_tokens == pytest.approx(expected, abs=1e-3)
         assert bounds.any_tier.hit_tokens == pytest.approx(5, abs=1e-3)  # a host hit in any case
         assert exact_with_host(events, 5, size, 5, pcie, either_tier=False) == (5 if pcie_before_read == 5 else 0)
+    # a run too large for the prefetch LP (here: max_lp_intervals / PREFETCH_LP_COST < 1 interval):
+    # the any-tier bound stands for it
+    stand_in = upper_bounds(events, 5, 5, [0, 0, 0, 3, 0, 0], max_lp_intervals=PREFETCH_LP_COST - 1)
+    assert stand_in.prefetch.method == "any_tier" and stand_in.eviction.method == "lp"
+    assert stand_in.prefetch.hit_tokens == pytest.approx(5, abs=1e-3)
     # budget only before key 1 was cached: nothing to load then
     assert upper_bounds(events, 5, 5, [5, 0, 0, 0, 0, 0]).prefetch.hit_tokens == pytest.approx(0, abs=1e-3)
     assert upper_bounds(events, 5, 0, [0, 0, 0, 5, 0, 0]).any_tier.hit_tokens == pytest.approx(0, abs=1e-3)  # no host
