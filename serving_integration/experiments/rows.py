@@ -87,8 +87,10 @@ def add_setting_bounds(rows: list[dict]) -> list[dict]:
         for r in group:
             bound = best[prefetch_class(r)]
             r["setting_bound_hit_rate"], r["setting_bound_recompute_rate"] = bound, recompute
-            r["gap_closed"] = _share(r["hit_rate"], lru and lru["hit_rate"], bound)
-            r["gap_closed_recompute"] = _share(r.get("recompute_rate"), lru and lru.get("recompute_rate"), recompute)
+            base = lru and lru["hit_rate"]
+            r["gap_closed"] = _share(_minus(r["hit_rate"], base), _minus(bound, base))
+            base = lru and lru.get("recompute_rate")
+            r["gap_closed_recompute"] = _share(_minus(base, r.get("recompute_rate")), _minus(base, recompute))
     return rows
 
 
@@ -97,11 +99,13 @@ def _extreme(pick, rows: list[dict], name: str):
     return pick(values) if values else None
 
 
-def _share(value, base, target):
-    """(value - base) / (target - base): the share of the distance from LRU to the bound covered."""
-    if value is None or base is None or target is None or abs(target - base) <= 1e-12:
-        return None
-    return (value - base) / (target - base)
+def _minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _share(gain, room):
+    """gain / room: the share of the distance from LRU to the bound that a row covers."""
+    return None if gain is None or room is None or abs(room) <= 1e-12 else gain / room
 
 
 class BoundViolated(AssertionError):

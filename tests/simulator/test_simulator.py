@@ -106,7 +106,10 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
     assert counters.prefetch_used_tokens <= counters.prefetched_tokens
     assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
-    assert counters.gpu_hit_tokens <= bound_metrics(sim)["bound_hit_tokens"]  # the run's own upper bound
+    bounds = bound_metrics(sim)  # the run's own bounds: GPU hits (with prefetch, the prefetch-aware one), recompute
+    gpu_rate, miss_rate = counters.gpu_hit_tokens / counters.prompt_tokens, counters.miss_tokens / counters.prompt_tokens
+    assert gpu_rate <= bounds["bound_hit_rate" if prefetch == "none" else "bound_prefetch_hit_rate"]
+    assert miss_rate >= bounds["bound_recompute_rate"] - 1e-12
     # a workflow's latency is its tool time, admission wait, and the prefill, decode and PCIe time it ran through
     split = (counters.time_tool_s + counters.time_queue_s + counters.time_prefill_s + counters.time_decode_s
              + counters.time_pcie_s + counters.time_predictor_s)
