@@ -40,7 +40,8 @@ def row_label(r: dict) -> str:
 
 TABLE_COLUMNS = (("policy", "{}"), ("prefetch", "{}"), ("trust", "{}"), ("hit_rate", "{:.1%}"), ("host_hit", "{:.1%}"),
                  ("reuse_rate", "{:.1%}"), ("recompute_rate", "{:.1%}"), ("setting_bound_hit_rate", "{:.1%}"),
-                 ("gap_closed", "{:.2f}"), ("setting_bound_recompute_rate", "{:.1%}"), ("gap_closed_recompute", "{:.2f}"),
+                 ("gap_closed", "{:.2f}"), ("setting_bound_recompute_rate", "{:.1%}"),
+                 ("gap_closed_recompute", "{:.2f}"),
                  ("mean_workflow_latency_s", "{:.2f}"), ("p99_workflow_latency_s", "{:.2f}"),
                  ("mean_ttft_s", "{:.3f}"), ("throughput_calls_per_s", "{:.2f}"), ("x_lru_hit", "{:.2f}"),
                  ("x_lru_latency", "{:.2f}"), ("time_tool_s", "{:.2f}"), ("time_queue_s", "{:.2f}"),

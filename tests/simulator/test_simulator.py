@@ -107,7 +107,8 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     assert counters.prefetch_used_tokens <= counters.prefetched_tokens
     assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
     bounds = bound_metrics(sim)  # the run's own bounds: GPU hits (with prefetch, the prefetch-aware one), recompute
-    gpu_rate, miss_rate = counters.gpu_hit_tokens / counters.prompt_tokens, counters.miss_tokens / counters.prompt_tokens
+    gpu_rate = counters.gpu_hit_tokens / counters.prompt_tokens
+    miss_rate = counters.miss_tokens / counters.prompt_tokens
     assert gpu_rate <= bounds["bound_hit_rate" if prefetch == "none" else "bound_prefetch_hit_rate"]
     assert miss_rate >= bounds["bound_recompute_rate"] - 1e-12
     # a workflow's latency is its tool time, admission wait, and the prefill, decode and PCIe time it ran through
