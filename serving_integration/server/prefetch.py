@@ -14,10 +14,9 @@ The candidates (`policies.Prefetch`, the simulator's modes):
 The budget of one step is min(room, PCIe bandwidth x decode step time / KV bytes per token). The
 room is the free GPU tokens (less `prefetch_reserve_tokens`) plus what the mode may displace:
 aggressive and kvflow any unlocked cache (SGLang's `load_back` makes room in the eviction order,
-kvflow's tiers under kvflow); conservative the retired evictable leaves (under PBKV's orders, which
-drain retired cache first, a load never displaces active cache); last_call nothing (its order is
-LRU, so SGLang's `load_back` could take a live workflow's cache to make room, which the
-simulator's last_call never does: it loads into free space only).
+kvflow's tiers under kvflow); conservative and last_call the retired evictable leaves, and while
+such a load runs the runtime orders SGLang's eviction as lifecycle-aware LRU (retired first), so a
+load never displaces a live workflow's cache whatever the policy's own order (lru_prefetch's is LRU).
 
 Safety: a copy started here is not tied to a batch, so a later prefill that matched the freshly
 loaded nodes could read them before they land. The prefetcher therefore hands its load's layer
@@ -91,7 +90,7 @@ class HostPrefetcher:
             need = sum(len(n.key) for n in path)
             if not path or need > bandwidth - loaded_tokens:  # waits for a later step's budget
                 continue
-            if need > room - loaded_tokens or not self.cache.load_back(node.id):
+            if need > room - loaded_tokens or not self._load_back(node):
                 if prefetch.stops_at_failure:  # kvflow: a load that does not fit ends its round
                     self.runtime.policy.on_prefetch_failed()
                     break
@@ -102,6 +101,19 @@ class HostPrefetcher:
             self.pending_producer = self.cache.ready_to_load_host_cache()
             self.runtime.stats.count("prefetch_rounds")
         return loaded_tokens
+
+    def _load_back(self, node) -> bool:
+        """SGLang's load_back of the node's host-only path. It evicts in the eviction order to make
+        room; a mode that may displace only retired cache has counted only free space and retired
+        leaves as its room, and has SGLang evict in lifecycle-aware order meanwhile, so that the
+        room is taken from retired cache whatever the policy's own order (lru_prefetch's is LRU)."""
+        if self.runtime.prefetch.evicts_live:
+            return self.cache.load_back(node.id)
+        self.runtime.making_room_for_prefetch = True
+        try:
+            return self.cache.load_back(node.id)
+        finally:
+            self.runtime.making_room_for_prefetch = False
 
     def ranked(self) -> list[tuple]:
         """(node, tag) in load order: a baseline's own order, else PBKV's ranking of the candidates."""
@@ -130,9 +142,7 @@ class HostPrefetcher:
                    0)
         if prefetch.evicts_live:  # aggressive, kvflow: any unlocked cache, in the eviction order
             return free + self.cache.evictable_size()
-        if prefetch.mode == "last_call":  # LRU's load_back would make room from live cache too
-            return free
-        # conservative: only retired leaves (an under-estimate of all retired cache: safe)
+        # conservative, last_call: only retired leaves (an under-estimate of all retired cache: safe)
         return free + sum(len(n.key) for n in self.tree.evictable_device_leaves
                           if prefetch.may_evict(n) and n.component_data[ComponentType.FULL].lock_ref == 0)
 

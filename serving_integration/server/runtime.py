@@ -360,6 +360,9 @@ class WorkflowRuntime:
         self.tags: OrderedDict[Any, WorkflowTag | None] = OrderedDict()  # rid -> tag, requests in flight
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
+        # while a prefetch that may displace only retired cache loads (its room: free space and retired
+        # leaves), SGLang's load_back makes that room in lifecycle-aware order (retired first)
+        self.making_room_for_prefetch = False
         self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
         # hidden states: the predictor that reads them (None: it does not), the vectors of requests
         # whose prefill finished (rid -> vector of the predictor's input size; None: captured, but no
@@ -418,6 +421,8 @@ class WorkflowRuntime:
         """The order SGLang's eviction heaps use: the policy's, or lifecycle-aware LRU while the
         latest prediction round failed. Within one eviction pass the mode cannot change (rounds
         run between passes, on the scheduler thread), so one heap never mixes the two orders."""
+        if self.making_room_for_prefetch:  # prefetch.py: only retired cache may go, and it goes first
+            return self.fallback.priority(node)
         if self.degraded and self.policy.uses_predictions:
             self.stats.count("fallback_priorities")
             return self.fallback.priority(node)

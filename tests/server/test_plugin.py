@@ -709,17 +709,18 @@ class HostNode:
         self.creation_time = self.last_access_time = float(node_id)
         self.hit_count, self.priority = 0, 0
         self.evicted, self.backuped, self.load_back_pending_id = not on_device, True, None
+        self.component_data = [types.SimpleNamespace(lock_ref=0)]  # ComponentType.FULL's
 
 
 class HostCache:
     """A stand-in UnifiedRadixCache with HiCache: `free` device tokens, `evictable` unlocked ones, and
     load_back recorded (it loads the host-only path above the node, as SGLang's does)."""
 
-    def __init__(self, nodes, free, evictable=0):
-        self.root = HostNode(0, None, 0)
-        self.tree_core = types.SimpleNamespace(_node_arena={n.id: n for n in nodes}, evictable_device_leaves=[])
+    def __init__(self, nodes, free, evictable=0, leaves=()):
+        self.tree_core = types.SimpleNamespace(_node_arena={n.id: n for n in nodes}, evictable_device_leaves=list(leaves))
         self.cache_controller = types.SimpleNamespace(ack_load_queue=[], mem_pool_host=None)
         self.free, self.evictable, self.loaded = free, evictable, []
+        self.on_load = lambda: None  # what a test reads while SGLang's load_back would evict
         self.token_to_kv_pool_allocator = types.SimpleNamespace(available_size=lambda: self.free)
 
     def evictable_size(self):
@@ -728,6 +729,7 @@ class HostCache:
     def load_back(self, node_id):
         node = self.tree_core._node_arena[node_id]
         self.loaded.append(node_id)
+        self.on_load()
         while node is not None and node.evicted:
             node.evicted, self.free = False, self.free - len(node.key)
             node = node.parent
@@ -793,7 +795,7 @@ def test_kvflow_prefetch_ends_its_round_at_the_first_load_that_does_not_fit():
     assert prefetcher.prefetch_once() == 25 and cache.loaded == [2, 3]
 
 
-def test_lru_prefetch_loads_the_longest_waiting_workflows_last_nodes_into_free_space():
+def test_lru_prefetch_loads_the_longest_waiting_workflows_last_nodes_into_free_and_retired_space():
     from serving_integration.server.prefetch import HostPrefetcher
     from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
 
@@ -808,11 +810,18 @@ def test_lru_prefetch_loads_the_longest_waiting_workflows_last_nodes_into_free_s
     call(runtime, "r5", "W3", "b", nodes[4], finished=False)  # W3's next call is in flight: not waiting
     for node in nodes.values():
         node.evicted = True
-    cache = HostCache([root, *nodes.values()], free=12, evictable=1000)
+    live_leaf, retired_leaf = HostNode(5, root, 100), HostNode(6, root, 4)
+    runtime.ledger.record_path([live_leaf.id], "W1", "a")  # W1's cache on the device; nobody's is the other leaf
+    cache = HostCache([root, *nodes.values(), live_leaf, retired_leaf], free=8, evictable=1000,
+                      leaves=[live_leaf, retired_leaf])
     prefetcher = HostPrefetcher(runtime, cache)
-    assert prefetcher.room() == 12  # free space only: SGLang's LRU load_back could take live cache
+    assert prefetcher.room() == 12  # free space and the retired leaf, never the live one
+    flags = []
+    cache.on_load = lambda: flags.append(runtime.priority(live_leaf) == runtime.fallback.priority(live_leaf))
     assert prefetcher.prefetch_once() == 10
-    assert cache.loaded == [2, 1]  # W1 waited longest: its latest agent's node first; W2's does not fit
-    assert runtime.stats["prefetched_tokens"] == 10
+    assert cache.loaded == [2, 1] and flags == [True, True]  # W1 waited longest: its latest agent's node first;
+    # SGLang made room in lifecycle-aware order (retired first); W2's does not fit any more
+    assert not runtime.making_room_for_prefetch and runtime.stats["prefetched_tokens"] == 10
+    assert runtime.priority(live_leaf) == runtime.policy.priority(live_leaf)  # LRU again outside the load
     cache.free = 50
     assert prefetcher.prefetch_once() == 5 and cache.loaded == [2, 1, 3]  # then W2's; never W3's
