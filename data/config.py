@@ -66,15 +66,25 @@ def too_few(n_workflows: int, split: SplitConfig, key: str) -> None:
 
 # ------------------------------------------------------------------ workloads (data/generators.py)
 
+MEMORIES = ("per_agent", "transcript")  # what a generated call's prompt resends (data/generators.py)
+
+
 @dataclass
 class WorkloadConfig:
-    """What every generated workload shares: the task text's cue and the output lengths."""
+    """What every generated workload shares: the task text's cue, the output lengths, and what each
+    call's prompt resends (its agent's own system prompt, or the team's whole conversation)."""
 
     cue_noise: float = knob(0.1, "share of task texts written for another latent value (weakens the text's cue)",
                             probability)
     template_holdout: bool = knob(True, "split by task template: val / test templates are unseen in train "
                                         "(data/store.py)")
     output_scale: float = knob(1.0, "multiplies every drawn output length (small replays on a CPU server)", above(0))
+    memory: str = knob("per_agent", "what a call's prompt resends: per_agent (its agent's system prompt, the task, "
+                                    "the transcript so far) or transcript (one system prompt for the team, the task, "
+                                    "the whole conversation so far with every turn's hand-over: LangChain / AutoGen-"
+                                    "style memory)", one_of(MEMORIES))
+    turn_tokens: int = knob(40, "tokens of the message handing the next agent its turn (memory=transcript only)",
+                            at_least(1))
 
     def __post_init__(self):
         check(self)

@@ -18,7 +18,7 @@ def generate(cfg) -> None:
     started = time.perf_counter()
     check_replaceable(cfg.out, DATASET_WRITERS)  # before the work: a refusal costs nothing
     workload = instantiate(cfg.workload, _convert_="all")
-    store_traces(workload.name, generate_traces(workload, cfg.n_workflows, cfg.seed), cfg, "data.generate")
+    store_traces(workload.label, generate_traces(workload, cfg.n_workflows, cfg.seed), cfg, "data.generate")
     print(f"wrote {cfg.out} in {time.perf_counter() - started:.2f}s")
 
 

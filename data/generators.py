@@ -3,8 +3,13 @@
 Each workflow draws a latent (hop count, difficulty, question type) that its task text reveals
 and that decides its path, so the task text carries information the call history does not.
 Context grows as real agents' does: every call sees its agent's system prompt, the task, and
-the transcript so far (earlier outputs and tool results). Token counts are drawn from clipped
-log-normals around the medians below; the task text is counted with the project tokenizer.
+the transcript so far (earlier outputs and tool results). With ``memory=transcript`` (a workload
+knob, data/config.py) agents resend the team's whole conversation instead, as LangChain and
+AutoGen memories do: one system prompt for the team (its agents' prompts together), the task,
+then every turn so far, each opened by a short hand-over message naming its agent; each call's
+prompt then extends the previous call's prompt and output. The random draws are the same in both
+memories, so a workflow's path, outputs and tools do not depend on it. Token counts are drawn from
+clipped log-normals around the medians below; the task text is counted with the project tokenizer.
 
 Workflow i of seed s is drawn from its own generator seeded (s, i), so the first n workflows
 do not depend on how many are generated.
@@ -49,7 +54,9 @@ class Tool:
 
 @dataclass
 class WorkflowBuilder:
-    """Accumulates one workflow's calls; each call's prompt = system prompt + task + transcript."""
+    """Accumulates one workflow's calls; each call's prompt = system prompt + task + transcript
+    (per-agent memory: the agent's own system prompt; transcript memory: the team's, and the
+    transcript holds each turn's hand-over)."""
 
     workload: "Workload"
     workflow_id: str
@@ -65,11 +72,7 @@ class WorkflowBuilder:
         step = len(self.calls)
         if self.workload.config.output_scale != 1.0:  # after the draw: the random stream is the same at any scale
             output_tokens = max(1, round(output_tokens * self.workload.config.output_scale))
-        sys_id, task_id = f"sys:{self.workload.name}:{agent}", f"task:{self.workflow_id}"
-        self.segments.add(sys_id, self.workload.config.system_prompt_tokens[agent], "system")
-        self.segments.add(task_id, self.task_tokens, "task", self.task)
-        prompt = [(sys_id, self.workload.config.system_prompt_tokens[agent]), (task_id, self.task_tokens)]
-        prompt += self.transcript
+        prompt = self._prompt(agent, step)
         out_id = f"out:{self.workflow_id}:{step}"
         self.segments.add(out_id, output_tokens, "output")
         self.calls.append(call_record(
@@ -85,6 +88,22 @@ class WorkflowBuilder:
             self.segments.add(tool_id, tool.result_tokens, "tool")
             self.transcript.append((tool_id, tool.result_tokens))
             self.gap = tool.seconds
+
+    def _prompt(self, agent: str, step: int) -> list[tuple[str, int]]:
+        """The call's prompt as (segment id, tokens): the system prompt, the task, the transcript."""
+        config = self.workload.config
+        if config.memory == "transcript":  # one prompt introducing the whole team, shared by every call
+            system = (f"sys:{self.workload.name}:team", sum(config.system_prompt_tokens.values()))
+        else:
+            system = (f"sys:{self.workload.name}:{agent}", config.system_prompt_tokens[agent])
+        task_id = f"task:{self.workflow_id}"
+        self.segments.add(*system, "system")
+        self.segments.add(task_id, self.task_tokens, "task", self.task)
+        if config.memory == "transcript":  # the hand-over stays in the conversation every later call resends
+            turn_id = f"turn:{self.workflow_id}:{step}"
+            self.segments.add(turn_id, config.turn_tokens, "turn")
+            self.transcript.append((turn_id, config.turn_tokens))
+        return [system, (task_id, self.task_tokens)] + self.transcript
 
     def finish(self) -> list[dict]:
         self.calls[-1]["end_of_workflow"] = True
@@ -116,6 +135,12 @@ class Workload:
     def __init__(self, **settings):
         self.config = self.Config(**settings)
         self.text = TaskSpace(self.config.cue_noise, self.config.template_holdout)
+
+    @property
+    def label(self) -> str:
+        """The workload's name, with its memory when that is not the default (data.generate prints it)."""
+        memory = self.config.memory
+        return self.name if memory == WorkloadConfig.memory else f"{self.name} ({memory} memory)"
 
     def agent_graph(self) -> dict:
         """The workflow's definition as KVFlow's Agent Step Graph reads it: {"kind": "pipeline",
@@ -188,6 +213,8 @@ class Workload:
                 "template_holdout": bool(self.config.template_holdout),
                 "tokenizer": f"task text: {counter.name}; other segments: drawn counts",
                 "agent_graph": self.agent_graph()}
+        if self.config.memory != WorkloadConfig.memory:  # named when not the default: those datasets stay as they were
+            meta["memory"] = self.config.memory
         return Traces(calls, segments, meta)
 
 

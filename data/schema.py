@@ -47,7 +47,8 @@ SEGMENT_FEATURES = Features(
     {
         "id": Value("string"),
         "tokens": Value("int64"),
-        # system | task | output | tool | a chat role (system/user/assistant/tool) | ""
+        # system | task | output | tool | turn (a hand-over, transcript memory) | a chat role
+        # (system/user/assistant/tool) | ""
         "kind": Value("string"),
         "text": Value("string"),
     }

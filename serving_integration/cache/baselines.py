@@ -11,7 +11,7 @@ SGLang's class on hand-built nodes.
     slru      (hit count >= protected_threshold, last access)             SLRUStrategy
     priority  (request priority, last access)                             PriorityStrategy
 
-Workflow-aware baselines (the simulator; docs/baselines/):
+Workflow-aware baselines (the simulator and the SGLang plugin, server/; docs/baselines/):
 
     kvflow        KVFlow as its public code runs it (github.com/PanZaifeng/KVFlow, an SGLang fork):
                   tiered passes over hold priorities, DFS order within a tier, agents keyed
@@ -32,7 +32,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from serving_integration.cache.config import ContinuumConfig, KvflowConfig
-from serving_integration.cache.policies import EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy, register
+from serving_integration.cache.policies import EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy, on_gpu, \
+    register
 
 # -------------------------------------------------------------------- SGLang's own strategies
 
@@ -117,8 +118,8 @@ class KVFlowFork(_LedgerPolicy):
     cache of a retired workflow keeps its agents (TreeNode.agents is never cleared)."""
 
     name = "kvflow"
-    served_by = "simulator"
     uses_predictions = True
+    reads_step_graph = True
 
     def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.hold_step,
                  load_ahead_step: int = KvflowConfig.load_ahead_step, holding: bool = KvflowConfig.holding,
@@ -206,8 +207,12 @@ class KVFlowFork(_LedgerPolicy):
     def forget(self, node) -> None:
         self.node_agents.pop(node.id, None)
         self.held.pop(node.id, None)
+        self.pending.pop(node.id, None)
         for nodes in self.last_nodes.values():
             nodes.pop(node.id, None)
+
+    def forget_all(self) -> None:
+        self.node_agents, self.last_nodes, self.held, self.pending = {}, {}, {}, {}
 
     def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> bool:
         """A step update (the fork's /v1/update, merged over workflows by the smallest step): our
@@ -241,13 +246,13 @@ class KVFlowFork(_LedgerPolicy):
         for step in range(self.load_ahead_step + 1):
             for agent in self.step_agents.get(step, ()):
                 for node in self.last_nodes.get(agent, {}).values():
-                    if not node.on_gpu:
+                    if not on_gpu(node):
                         out.setdefault(node.id, (node, step))
         return out
 
     def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[object, int]]:
         """What is left of the latest update's round (a node since deleted or loaded is dropped)."""
-        for node_id in [i for i, (node, _) in self.pending.items() if by_id.get(i) is not node or node.on_gpu]:
+        for node_id in [i for i, (node, _) in self.pending.items() if by_id.get(i) is not node or on_gpu(node)]:
             del self.pending[node_id]
         return list(self.pending.values())
 
@@ -275,7 +280,6 @@ class LRUPrefetch(_LedgerPolicy):
     next, its context is among them."""
 
     name = "lru_prefetch"
-    served_by = "simulator"
 
     def __init__(self, ledger: WorkflowLedger):
         super().__init__(ledger)
@@ -299,11 +303,14 @@ class LRUPrefetch(_LedgerPolicy):
             for agent in [a for a, n in agents.items() if n is node]:
                 del agents[agent]
 
+    def forget_all(self) -> None:
+        self.last_nodes = {w: {} for w in self.last_nodes}
+
     def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[object, None]]:
         waiting = sorted((w for w in idle_workflows if w in self.last_nodes and self.ledger.is_live(w)),
                          key=self.finished_at.__getitem__)
         return [(node, None) for w in waiting for node in reversed(list(self.last_nodes[w].values()))
-                if not node.on_gpu]
+                if not on_gpu(node)]
 
 
 # -------------------------------------------------------------------- Continuum

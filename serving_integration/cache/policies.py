@@ -376,11 +376,19 @@ class WorkflowLedger:
 # -------------------------------------------------------------------- eviction policies
 
 
+def on_gpu(node) -> bool:
+    """Whether a node's KV is on the GPU, in either tree: the simulator's nodes say so (`on_gpu`),
+    SGLang's say whether it is not (`evicted`: not on the device)."""
+    flag = getattr(node, "on_gpu", None)
+    return flag if flag is not None else not node.evicted
+
+
 class EvictionPolicy:
     name = "base"
     served_by = "sglang"
     uses_predictions = False
     reads_ledger = False  # True: its order reads the WorkflowLedger (who used a node, their predictions)
+    reads_step_graph = False  # True: an agent step graph drives it (KVFlow's; the plugin's step_graph_traces)
 
     def priority(self, node: CacheNode) -> tuple:
         raise NotImplementedError
@@ -420,6 +428,9 @@ class EvictionPolicy:
 
     def forget(self, node: CacheNode) -> None:
         """A node left the tree."""
+
+    def forget_all(self) -> None:
+        """The tree was reset (SGLang's flush_cache): no node it knew of is valid any more."""
 
     def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> bool:
         """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph);
@@ -553,6 +564,7 @@ class KVFlow(_LedgerPolicy):
 
     name = "kvflow_ideal"
     uses_predictions = True
+    reads_step_graph = True
 
     def __init__(self, ledger: WorkflowLedger, hold_step: int = KvflowConfig.ideal_hold_step):
         super().__init__(ledger)
@@ -598,12 +610,12 @@ class Oracle(_LedgerPolicy):
 
 # One registry: every other list of policy names (the simulator's, evaluate's, the plugin's and the
 # launcher's) derives from it. `served_by`: who runs the policy in a real server: "sglang" ships it,
-# "plugin" is this project's SGLang plugin, "simulator": only the simulator (the oracle needs the
-# real future; the plugin does not carry kvflow's and lru_prefetch's own prefetch yet).
+# "plugin" is this project's SGLang plugin (eviction order and, for kvflow and lru_prefetch, their
+# own prefetch: server/prefetch.py), "simulator": only the simulator (the oracle needs the real future).
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 PLUGIN_POLICIES: tuple[str, ...] = ()
 SGLANG_POLICIES: tuple[str, ...] = ()
-STEP_GRAPH_POLICIES: tuple[str, ...] = ()  # the plugin's KVFlows (a step graph drives them)
+STEP_GRAPH_POLICIES: tuple[str, ...] = ()  # the plugin's KVFlows (a step graph drives them: reads_step_graph)
 
 
 def register(*classes: type[EvictionPolicy]) -> None:
@@ -614,7 +626,7 @@ def register(*classes: type[EvictionPolicy]) -> None:
     POLICIES.update((cls.name, cls) for cls in classes)
     PLUGIN_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "plugin")
     SGLANG_POLICIES = tuple(name for name, cls in POLICIES.items() if cls.served_by == "sglang")
-    STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if issubclass(POLICIES[name], KVFlow))
+    STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if POLICIES[name].reads_step_graph)
 
 
 register(LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)
@@ -677,8 +689,13 @@ class Prefetch:
     def stops_at_failure(self) -> bool:
         return self.mode == "kvflow"
 
+    @property
+    def evicts_live(self) -> bool:
+        """It may evict cache that live workflows use (aggressive, KVFlow's), not only retired cache."""
+        return self.mode in ("aggressive", "kvflow")
+
     def may_evict(self, node: CacheNode) -> bool:
-        return self.mode in ("aggressive", "kvflow") or self.ledger.is_retired(node.id)
+        return self.evicts_live or self.ledger.is_retired(node.id)
 
     def rank(self, candidates: list) -> list:
         """Candidates (nodes) with a positive one-step score, best first; ties by node id."""

@@ -123,6 +123,17 @@ def back_link() -> str:
 
 # -------------------------------------------------------------------- detail pages
 
+def memory_of(meta: dict) -> str:
+    """What each call's prompt resends, as the datasets page names it: a generated dataset's memory
+    (meta.json names it when it is not the default, data.config.WorkloadConfig.memory), or "as
+    recorded" for imported traces."""
+    from data.config import WorkloadConfig
+
+    if meta.get("format") != "generated":
+        return "as recorded"
+    return meta.get("memory", WorkloadConfig.memory).replace("_", " ")
+
+
 def dataset_page(steps: list[dict], runs: Path, record: dict) -> str:
     rows = []
     for step in steps:
@@ -131,12 +142,17 @@ def dataset_page(steps: list[dict], runs: Path, record: dict) -> str:
         cpw, loops, ptok = s["calls_per_workflow"], s["loops_per_workflow"], s["prompt_tokens_per_call"]
         rows.append(f"| {step['name']} | {s['workflows']:,} | {s['agents']} | {cpw['mean']:.2f}, {cpw['max']:.0f} | "
                     f"{loops['mean']:.2f}, {loops['max']:.0f} | {ptok['mean']:,.0f}, {ptok['p50']:,.0f}, "
-                    f"{ptok['p99']:,.0f} | {s['output_tokens_per_call']['mean']:,.0f} | {s['reusable_share']:.1%} |")
+                    f"{ptok['p99']:,.0f} | {s['output_tokens_per_call']['mean']:,.0f} | {memory_of(meta)} | "
+                    f"{s['reusable_share']:.1%} |")
     head = ("| dataset | workflows | agents | calls/workflow (mean, max) | loops/workflow (mean, max) | "
-            "prompt tokens/call (mean, p50, p99) | output tokens/call | reusable share |\n|" + "---|" * 8)
+            "prompt tokens/call (mean, p50, p99) | output tokens/call | memory | reusable share |\n|" + "---|" * 9)
     return "\n\n".join(["# Datasets", back_link(),
                         "A loop is a call to an agent the workflow already called; the reusable share is the share "
-                        "of prompt tokens whose prefix an unbounded prefix cache would hold.",
+                        "of prompt tokens whose prefix an unbounded prefix cache would hold. Memory is what each "
+                        "call's prompt resends: per agent (its agent's system prompt, the task and the transcript "
+                        "so far), transcript (one system prompt for the team and the whole conversation so far, "
+                        "as LangChain and AutoGen memories resend it: the same workflows with longer, shared "
+                        "prefixes; docs/datasets.md), as recorded (imported traces).",
                         "\n".join([head, *sorted(rows)]), commands(steps, record)])
 
 

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from data import CONF_DIR
-from serving_integration.cache.policies import PLUGIN_POLICIES
+from serving_integration.cache.policies import PLUGIN_POLICIES, Prefetch
 from serving_integration.cache.router import ROUTERS
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.simulator.config import SimConfig
@@ -162,7 +162,7 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
     kwargs: dict = {"policy": policy, "prefetch": DEFAULT_PREFETCH.get(policy, "none")}
     if policy in PLUGIN_POLICIES:  # the plugin's defaults: pbkv prefetches (conservative), pbkv_lae does not
         kwargs["gamma"] = gamma
-        if policy == "pbkv" or kwargs["prefetch"] != "none":
+        if policy == "pbkv" or Prefetch(kwargs["prefetch"], None).uses_predictions:  # lru_prefetch ranks without
             kwargs["predictions"] = ModelSource(predictor)
     if config.routing == "pbkv" and "predictions" not in kwargs:  # the pbkv router reads the ledgers' values
         kwargs["predictions"] = ModelSource(predictor)

@@ -9,11 +9,12 @@
 
 It runs `python -m sglang.launch_server` (replacing this process) with the recommended flags:
 `--enable-hierarchical-cache --hicache-ratio R --hicache-write-policy write_through
---enable-metrics --enable-cache-report`, the policy, and for pbkv / pbkv_lae / kvflow_ideal the
-plugin's `--radix-eviction-policy-config` (checkpoint, gamma, prefetch, ...). Anything after
-`--` goes to SGLang unchanged. Before starting it checks what would otherwise fail inside the
-server's scheduler: the plugin's entry point is installed in this environment, and the
-checkpoint (or kvflow_ideal's step-graph traces) can be read.
+--enable-metrics --enable-cache-report`, the policy, and for the plugin's policies (pbkv, pbkv_lae,
+kvflow, kvflow_ideal, kvflow_nolae, continuum, lru_prefetch) the plugin's
+`--radix-eviction-policy-config` (checkpoint, gamma, prefetch, ...). Anything after `--` goes to
+SGLang unchanged. Before starting it checks what would otherwise fail inside the server's
+scheduler: the plugin's entry point is installed in this environment, and the checkpoint (or the
+KVFlows' step-graph traces) can be read.
 
 `--cpu` serves on a machine without a GPU (docs/serving.md, "SGLang on a CPU"): the model defaults
 to the tiny random Llama of tiny_model.py (built on first use), the server gets SGLang's CPU flags
@@ -41,7 +42,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from data import REPO
-from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES, STEP_GRAPH_POLICIES
+from serving_integration.cache.policies import PLUGIN_POLICIES, SGLANG_POLICIES, STEP_GRAPH_POLICIES, Prefetch
 from serving_integration.simulator.config import SimConfig
 
 PLUGIN_GROUP = "sglang.srt.plugins"
@@ -74,9 +75,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                    help="--cpu: where the tiny model is built/cached (default .cache/pbkv/models/tiny-llama)")
     p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + SGLANG_POLICIES)
     p.add_argument("--checkpoint", help="train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
-    p.add_argument("--step-graph-traces", help="kvflow_ideal, kvflow_nolae: trace dataset dir whose train split gives the step graph")
-    p.add_argument("--prefetch", choices=("none", "conservative", "aggressive"),
-                   help="default: conservative for pbkv, none for pbkv_lae, aggressive for kvflow_ideal")
+    p.add_argument("--step-graph-traces",
+                   help="kvflow, kvflow_ideal, kvflow_nolae: trace dataset dir whose train split gives the step graph")
+    p.add_argument("--prefetch", choices=Prefetch.MODES,
+                   help="default: conservative for pbkv, none for pbkv_lae, aggressive for kvflow_ideal, the "
+                        "policy's own for kvflow (kvflow) and lru_prefetch (last_call), which no other policy takes")
     p.add_argument("--gamma", type=float, help="PBKV's lookahead discount (default 0.5)")
     p.add_argument("--policy-config", default="{}",
                    help="more plugin options as JSON, e.g. '{\"predictor_timeout_s\": 0.1}' (docs/serving.md)")

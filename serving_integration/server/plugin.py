@@ -4,8 +4,9 @@
 
 What it registers:
   * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
-  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow_ideal`, `kvflow_nolae`, `continuum` (strategies.py, wrapping
-    cache/policies.py): into `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the
+  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow`, `kvflow_ideal`, `kvflow_nolae`, `continuum`,
+    `lru_prefetch` (strategies.py, wrapping cache/policies.py and cache/baselines.py): into
+    `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the
     `--radix-eviction-policy` choices, with SGLang's own strategies its CLI leaves out (fifo, mru,
     filo), so that the launcher passes each of SGLang's policies by its own flag;
   * the tree core `pbkv_python` (SGLang's Python core + split/delete/evict notifications), and a
@@ -17,6 +18,8 @@ What it registers:
                                                or retire the workflow on its last call
       Scheduler.get_next_batch_to_run          once per scheduler step: the batched predictor
                                                round, retirement of silent workflows, prefetch
+                                               (prefetch.py: PBKV's ranking, or kvflow's and
+                                               lru_prefetch's own order)
       Scheduler.get_internal_state             the plugin's counters under "pbkv" in /server_info
       Scheduler._add_request_to_queue          with `hidden_state`: a tagged request asks SGLang's
                                                forward for its last prefill token's hidden state
@@ -133,7 +136,7 @@ def after_checkpoint(result, cache, req, *args, **kwargs):
     runtime = _runtime(cache)
     if runtime is not None and getattr(req, "last_node", None) is not None:
         runtime.attach(cache)
-        runtime.on_cached(req, cache.tree_core.path_node_ids(req.last_node))
+        runtime.on_cached(req, cache.tree_core.path_node_ids(req.last_node), cache.tree_core.node_of(req.last_node))
 
 
 @_never_raises

@@ -1,15 +1,22 @@
-"""PBKV's prefetch inside the SGLang scheduler: host-to-GPU `load_back` of the cache that idle
-live workflows are predicted to read on their next call.
+"""Prefetch inside the SGLang scheduler: host-to-GPU `load_back` of cache that idle live
+workflows are expected to read on their next call, PBKV's or a baseline's own.
 
 It runs after the scheduler has chosen its next batch, and only when that batch is decode-only
 (or the server is idle), so the copy overlaps a decode step and uses otherwise idle PCIe time.
-Candidates are host-only nodes of live workflows with no request in flight, ranked by the
-one-step (k = 1) score (`policies.Prefetch.rank`). The budget of one step is
-min(room, PCIe bandwidth x decode step time / KV bytes per token), where the room is, in
-conservative mode, the free GPU tokens plus retired evictable leaves (never active cache), and in
-aggressive mode any unlocked cache. SGLang's `load_back` makes room in the eviction order, which
-under these policies drains retired cache first, so a conservative load never displaces active
-cache.
+The candidates (`policies.Prefetch`, the simulator's modes):
+  * conservative, aggressive (PBKV's, kvflow_ideal's): host-only nodes of live workflows with no
+    request in flight, ranked by the one-step (k = 1) score (`Prefetch.rank`);
+  * kvflow (kvflow's own, baselines.KVFlowFork): what is left of the latest step update's round,
+    each due agent's last nodes for steps 0 .. load_ahead_step in step order; a load that does
+    not fit ends the round, and the topmost loaded node holds step + 1 (`on_prefetched`);
+  * last_call (lru_prefetch's, baselines.LRUPrefetch): each waiting workflow's own last nodes,
+    the workflow that has waited longest first.
+The budget of one step is min(room, PCIe bandwidth x decode step time / KV bytes per token). The
+room is the free GPU tokens (less `prefetch_reserve_tokens`) plus what the mode may displace:
+aggressive and kvflow any unlocked cache (SGLang's `load_back` makes room in the eviction order,
+kvflow's tiers under kvflow); conservative and last_call the retired evictable leaves, and while
+such a load runs the runtime orders SGLang's eviction as lifecycle-aware LRU (retired first), so a
+load never displaces a live workflow's cache whatever the policy's own order (lru_prefetch's is LRU).
 
 Safety: a copy started here is not tied to a batch, so a later prefill that matched the freshly
 loaded nodes could read them before they land. The prefetcher therefore hands its load's layer
@@ -76,44 +83,68 @@ class HostPrefetcher:
 
     def prefetch_once(self) -> int:
         """Start the host-to-GPU copies of the best candidates; returns the tokens queued."""
-        candidates = self.candidates()
-        if not candidates:
-            return 0
-        budget = min(self.room(), self.tokens_per_step)
-        loaded_tokens, loaded_nodes = 0, []
-        for node in self.runtime.prefetch.rank(candidates):
-            path = self._evicted_path(node)
+        prefetch = self.runtime.prefetch
+        room, bandwidth, loaded_tokens = self.room(), self.tokens_per_step, 0
+        for node, tag in self.ranked():
+            path = self._evicted_path(node) if self._loadable(node) else []
             need = sum(len(n.key) for n in path)
-            if not path or need > budget - loaded_tokens:
+            if not path or need > bandwidth - loaded_tokens:  # waits for a later step's budget
                 continue
-            if self.cache.load_back(node.id):
-                loaded_tokens += need
-                loaded_nodes.extend(path)
-        if loaded_nodes:
+            if need > room - loaded_tokens or not self._load_back(node):
+                if prefetch.stops_at_failure:  # kvflow: a load that does not fit ends its round
+                    self.runtime.policy.on_prefetch_failed()
+                    break
+                continue
+            loaded_tokens += need
+            self.runtime.on_prefetched(path, tag)
+        if loaded_tokens:
             self.pending_producer = self.cache.ready_to_load_host_cache()
-            self.runtime.on_prefetched(loaded_nodes)
             self.runtime.stats.count("prefetch_rounds")
         return loaded_tokens
+
+    def _load_back(self, node) -> bool:
+        """SGLang's load_back of the node's host-only path. It evicts in the eviction order to make
+        room; a mode that may displace only retired cache has counted only free space and retired
+        leaves as its room, and has SGLang evict in lifecycle-aware order meanwhile, so that the
+        room is taken from retired cache whatever the policy's own order (lru_prefetch's is LRU)."""
+        if self.runtime.prefetch.evicts_live:
+            return self.cache.load_back(node.id)
+        self.runtime.making_room_for_prefetch = True
+        try:
+            return self.cache.load_back(node.id)
+        finally:
+            self.runtime.making_room_for_prefetch = False
+
+    def ranked(self) -> list[tuple]:
+        """(node, tag) in load order: a baseline's own order, else PBKV's ranking of the candidates."""
+        if self.runtime.prefetch.policy_driven:
+            return self.runtime.policy.prefetch_order(self.tree._node_arena, self.runtime.idle_workflows())
+        return [(node, None) for node in self.runtime.prefetch.rank(self.candidates())]
+
+    @staticmethod
+    def _loadable(node) -> bool:
+        """Off the GPU with a host copy, and no load of it in flight."""
+        return node.evicted and node.backuped and node.load_back_pending_id is None
 
     def candidates(self) -> list:
         arena = self.tree._node_arena
         nodes = []
         for node_id in self.runtime.idle_workflow_nodes():
             node = arena.get(node_id)
-            if node is not None and node.evicted and node.backuped and node.load_back_pending_id is None:
+            if node is not None and self._loadable(node):
                 nodes.append(node)
         return nodes
 
     def room(self) -> int:
         """GPU tokens a prefetch may fill: free space, plus what the mode lets it displace."""
-        free = self.cache.token_to_kv_pool_allocator.available_size()
-        if self.runtime.prefetch.mode == "aggressive":
-            displaceable = self.cache.evictable_size()
-        else:  # conservative: only retired leaves (an under-estimate of all retired cache: safe)
-            displaceable = sum(len(n.key) for n in self.tree.evictable_device_leaves
-                               if self.runtime.prefetch.may_evict(n)
-                               and n.component_data[ComponentType.FULL].lock_ref == 0)
-        return max(free - self.runtime.config.prefetch_reserve_tokens, 0) + displaceable
+        prefetch = self.runtime.prefetch
+        free = max(self.cache.token_to_kv_pool_allocator.available_size() - self.runtime.config.prefetch_reserve_tokens,
+                   0)
+        if prefetch.evicts_live:  # aggressive, kvflow: any unlocked cache, in the eviction order
+            return free + self.cache.evictable_size()
+        # conservative, last_call: only retired leaves (an under-estimate of all retired cache: safe)
+        return free + sum(len(n.key) for n in self.tree.evictable_device_leaves
+                          if prefetch.may_evict(n) and n.component_data[ComponentType.FULL].lock_ref == 0)
 
     def _evicted_path(self, node) -> list:
         """The host-only nodes from the deepest GPU ancestor down to `node` (what load_back copies)."""

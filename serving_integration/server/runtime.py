@@ -45,7 +45,7 @@ import torch
 from data.atomic import atomic_file
 from data.errors import ConfigError
 from data.knobs import above, at_least, knob, nonempty, one_of, shown
-from serving_integration.cache.config import PREFETCH_MODES, TRUST_MODES, ContinuumConfig, KvflowConfig, \
+from serving_integration.cache.config import POLICY_PREFETCH_MODES, TRUST_MODES, ContinuumConfig, KvflowConfig, \
     OnlineBackoffConfig, PbkvConfig
 from serving_integration.cache.policies import PLUGIN_POLICIES, STEP_GRAPH_POLICIES, LifecycleLRU, Prefetch, \
     WorkflowLedger, make_policy
@@ -55,7 +55,7 @@ from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
-                    "kvflow_nolae": "aggressive", "continuum": "none"}
+                    "kvflow_nolae": "aggressive", "continuum": "none", "kvflow": "kvflow", "lru_prefetch": "last_call"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
 HIDDEN_COSTS = 4096  # per-request hidden-state costs kept for snapshot()'s summary
@@ -63,17 +63,19 @@ HIDDEN_COSTS = 4096  # per-request hidden-state costs kept for snapshot()'s summ
 
 @dataclass(frozen=True)
 class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfig):
-    """`--radix-eviction-policy-config '{json}'` of the pbkv, pbkv_lae, kvflow_ideal and continuum policies: the
+    """`--radix-eviction-policy-config '{json}'` of the plugin's policies (policies.PLUGIN_POLICIES): the
     policies' own knobs (serving_integration/cache/config.py, the simulator reads the same classes;
-    `horizon` is K of kvflow_ideal's step graph, a checkpoint brings its own) plus the server-only ones
+    `horizon` is K of the KVFlows' step graph, a checkpoint brings its own) plus the server-only ones
     below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
     a value out of range fails there too (one line naming it)."""
 
     checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
-    step_graph_traces: Optional[str] = knob(None, "kvflow_ideal, kvflow_nolae: dataset dir whose train split gives "
-                                           "the step graph")
-    prefetch: Optional[str] = knob(None, "none | conservative | aggressive (null: pbkv conservative, pbkv_lae none, "
-                                   "kvflow_ideal aggressive)", one_of(PREFETCH_MODES))
+    step_graph_traces: Optional[str] = knob(None, "kvflow, kvflow_ideal, kvflow_nolae: dataset dir whose train "
+                                           "split gives the step graph")
+    prefetch: Optional[str] = knob(None, "none | conservative | aggressive, or a baseline's own: kvflow (kvflow's), "
+                                   "last_call (lru_prefetch's); null: the policy's default (pbkv conservative, "
+                                   "pbkv_lae none, kvflow_ideal aggressive, kvflow kvflow, lru_prefetch last_call)",
+                                   one_of(Prefetch.MODES))
     predictor_device: str = knob("cpu", "torch device of the predictor", nonempty)
     predictor_timeout_s: Optional[float] = knob(0.05, "a prediction round slower than this falls back (null or 0: "
                                                 "no timeout, needed for TP > 1, see docs/serving.md)", at_least(0))
@@ -333,6 +335,10 @@ class WorkflowRuntime:
         self.policy_name, self.config, self.clock = policy_name, config, clock
         self.stats = stats or PluginStats()
         self.ledger = WorkflowLedger(config.gamma)
+        prefetch = config.prefetch or DEFAULT_PREFETCH[policy_name]
+        if prefetch in POLICY_PREFETCH_MODES and prefetch != DEFAULT_PREFETCH[policy_name]:
+            raise ConfigError(f"prefetch={prefetch}: the prefetch of another policy; {policy_name} takes none, "
+                              f"conservative, aggressive or its own ({DEFAULT_PREFETCH[policy_name]})")
         options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
                    config.trust_options(config.trust) if policy_name == "pbkv" else
                    config.continuum_options() if policy_name == "continuum" else {})
@@ -340,12 +346,13 @@ class WorkflowRuntime:
         self.pool_tokens: int | None = None  # the GPU pool's size, read at the first scheduler step
         self.call_paths: OrderedDict[Any, list[int]] = OrderedDict()  # rid -> its path (continuum's pin)
         self.fallback = LifecycleLRU(self.ledger)
-        self.prefetch = Prefetch(config.prefetch or DEFAULT_PREFETCH[policy_name], self.ledger)
+        self.prefetch = Prefetch(prefetch, self.ledger)
         self.predictor = GuardedPredictor(source, self.stats, config.predictor_timeout_s) if source else None
         if self.predictor is not None:
             self.predictor.warm_up(source.agent_names[-1])
-        # predictions are needed by the order itself (pbkv, kvflow_ideal) or to rank prefetch candidates
-        self.needs_predictions = self.policy.uses_predictions or self.prefetch.enabled
+        # predictions are needed by the order itself (pbkv, the KVFlows) or to rank prefetch candidates
+        # (lru_prefetch's own prefetch ranks without any)
+        self.needs_predictions = self.policy.uses_predictions or self.prefetch.uses_predictions
         self.degraded = self.needs_predictions and self.predictor is None
         # live workflows, least recently seen first (a call moves its workflow to the end)
         self.workflows: OrderedDict[str, LiveWorkflow] = OrderedDict()
@@ -353,6 +360,9 @@ class WorkflowRuntime:
         self.tags: OrderedDict[Any, WorkflowTag | None] = OrderedDict()  # rid -> tag, requests in flight
         self.prefetched: dict[int, int] = {}  # node id -> prefetched tokens not yet read
         self.prefetcher = None  # set by the plugin on the first scheduler step with HiCache
+        # while a prefetch that may displace only retired cache loads (its room: free space and retired
+        # leaves), SGLang's load_back makes that room in lifecycle-aware order (retired first)
+        self.making_room_for_prefetch = False
         self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
         # hidden states: the predictor that reads them (None: it does not), the vectors of requests
         # whose prefill finished (rid -> vector of the predictor's input size; None: captured, but no
@@ -411,6 +421,8 @@ class WorkflowRuntime:
         """The order SGLang's eviction heaps use: the policy's, or lifecycle-aware LRU while the
         latest prediction round failed. Within one eviction pass the mode cannot change (rounds
         run between passes, on the scheduler thread), so one heap never mixes the two orders."""
+        if self.making_room_for_prefetch:  # prefetch.py: only retired cache may go, and it goes first
+            return self.fallback.priority(node)
         if self.degraded and self.policy.uses_predictions:
             self.stats.count("fallback_priorities")
             return self.fallback.priority(node)
@@ -436,8 +448,10 @@ class WorkflowRuntime:
             self.tags.popitem(last=False)
         return tag
 
-    def on_cached(self, req, path_node_ids: list[int]) -> None:
-        """The request's tokens are in the tree along `path_node_ids` (SGLang's checkpoint)."""
+    def on_cached(self, req, path_node_ids: list[int], last_node=None) -> None:
+        """The request's tokens are in the tree along `path_node_ids` (SGLang's checkpoint, deepest node
+        first), ending at `last_node` (SGLang's node; the baselines record it: kvflow an agent's last
+        nodes, at every checkpoint as the fork at match and caching; lru_prefetch a finished call's)."""
         tag = self.tag_of(req)
         if tag is None or tag.end_signal:  # an end signal's tokens belong to no agent call
             return
@@ -455,6 +469,8 @@ class WorkflowRuntime:
             if report is not None:
                 self.stats.count(f"calls_following_{report['following']}")
         self.ledger.record_path(path_node_ids, wf.id, tag.agent)
+        if last_node is not None:
+            self.policy.on_cached(last_node, wf.id, tag.agent, bool(req.finished()))
         for node_id in path_node_ids:
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
                 self.stats.count("prefetch_used_tokens", self.prefetched.pop(node_id))
@@ -595,9 +611,10 @@ class WorkflowRuntime:
             self.degraded = True
             self.stats.count("fallback_rounds")
             return
-        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # kvflow_ideal's step graph
-        self.ledger.set_predictions([w.id for w in batch], self.predictor.agent_names, probs,
-                                    graph_steps(batch) if graph_steps else None)
+        graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # the KVFlows' step graph
+        ids, steps = [w.id for w in batch], graph_steps(batch) if graph_steps else None
+        self.ledger.set_predictions(ids, self.predictor.agent_names, probs, steps)
+        self.policy.on_steps(ids, steps)  # kvflow: a step update, and its prefetch round (SGLang re-heaps per pass)
         self.degraded = False
         if self.hidden_reader is not None:
             self.stats.count("predicted_with_hidden", sum(w.hidden is not None for w in batch))
@@ -617,6 +634,7 @@ class WorkflowRuntime:
     def on_split(self, prefix, suffix) -> None:
         """A node split: the new prefix node was used by everyone who used the old node."""
         self.ledger.split(prefix.id, suffix.id)
+        self.policy.on_split(prefix, suffix)
         if suffix.id in self.prefetched:
             self.prefetched[prefix.id] = len(prefix.key)
             self.prefetched[suffix.id] = len(suffix.key)
@@ -625,20 +643,30 @@ class WorkflowRuntime:
         self.policy.on_evict(node)
         self.prefetched.pop(node.id, None)
 
-    def on_delete(self, node_id: int) -> None:
-        self.ledger.forget(node_id)
-        self.prefetched.pop(node_id, None)
+    def on_delete(self, node) -> None:
+        self.ledger.forget(node.id)
+        self.policy.forget(node)
+        self.prefetched.pop(node.id, None)
 
     def forget_all_nodes(self) -> None:
         """The tree was reset (flush_cache): no node id is valid any more."""
         for node_id in list(self.ledger.users):
             self.ledger.forget(node_id)
+        self.policy.forget_all()
         self.prefetched.clear()
 
-    def on_prefetched(self, nodes) -> None:
-        for node in nodes:
+    def on_prefetched(self, path, tag=None) -> None:
+        """A prefetch candidate's host-only path (topmost node first) is being loaded; `tag` is what
+        a baseline's own prefetch order gave with it (kvflow: the step its hold priority follows)."""
+        for node in path:
             self.prefetched[node.id] = len(node.key)
             self.stats.count("prefetched_tokens", len(node.key))
+        if self.prefetch.policy_driven:
+            self.policy.on_prefetched(path, tag)
+
+    def idle_workflows(self) -> list[str]:
+        """Live workflows with no request in flight, least recently seen first."""
+        return [wf.id for wf in self.workflows.values() if not wf.running]
 
     def idle_workflow_nodes(self) -> list[int]:
         """Node ids used by live workflows with no request in flight (prefetch candidates)."""

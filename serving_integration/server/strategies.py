@@ -62,15 +62,28 @@ class KVFlowNoLifecycleStrategy(WorkflowEvictionStrategy):
     policy_name = "kvflow_nolae"
 
 
+class KVFlowForkStrategy(WorkflowEvictionStrategy):
+    """KVFlow as its public code runs it: tiered passes over hold priorities, DFS order within a tier
+    (its prefetch of each due agent's last nodes: prefetch.py, mode kvflow)."""
+
+    policy_name = "kvflow"
+
+
 class ContinuumStrategy(WorkflowEvictionStrategy):
     """Continuum's tool-call TTL pin: a program's cache pinned through its tool call, then LRU."""
 
     policy_name = "continuum"
 
 
+class LRUPrefetchStrategy(WorkflowEvictionStrategy):
+    """LRU, with prefetch of each waiting workflow's own last nodes (prefetch.py, mode last_call)."""
+
+    policy_name = "lru_prefetch"
+
+
 STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
-    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowStrategy, KVFlowNoLifecycleStrategy,
-                                     ContinuumStrategy)
+    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowForkStrategy, KVFlowStrategy,
+                                     KVFlowNoLifecycleStrategy, ContinuumStrategy, LRUPrefetchStrategy)
 }
 
 
@@ -87,6 +100,10 @@ class WorkflowTreeCore(UnifiedTreeCore):
     @property
     def runtime(self) -> WorkflowRuntime | None:
         return runtime_of(self)
+
+    def node_of(self, node_id):
+        """The node of an id, or None when it left the tree."""
+        return self._node_arena.get(node_id)
 
     def path_node_ids(self, node_id) -> list[int]:
         """Ids of the nodes from `node_id` up to (not including) the root."""
@@ -105,7 +122,7 @@ class WorkflowTreeCore(UnifiedTreeCore):
     def _unregister_node(self, node):
         super()._unregister_node(node)
         if self.runtime is not None:
-            self.runtime.on_delete(node.id)
+            self.runtime.on_delete(node)
 
     def evict_device_leaf(self, node_id, is_write_back):
         node = self._node_arena.get(node_id)

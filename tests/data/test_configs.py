@@ -105,6 +105,7 @@ def test_option_composes_and_targets_bind(root, group, option):
 # Hydra composes, and no YAML file writes a value equal to its dataclass's default (one home per knob).
 
 WORKLOAD_CLASSES = {"hover": "Hover", "swebench": "SweBench", "financebench": "FinanceBench"}
+WORKLOAD_CLASSES |= {f"{name}_transcript": cls for name, cls in WORKLOAD_CLASSES.items()}  # transcript memory
 GENERATED = {o: data.config.GeneratedDataConfig for o in WORKLOAD_CLASSES}
 TYPED = [  # (root, overrides, node, its schema)
     *[("train", [f"data={o}"], "data", GENERATED.get(o, data.config.ImportedDataConfig)) for o in options("data", "train")],

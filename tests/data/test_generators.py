@@ -142,3 +142,57 @@ def test_declared_agent_graph_and_bayes_ceiling():
     hover = generate(Hover(), 30, seed=0).meta["bayes_ceiling"]
     assert hover["knows"] == ["hops"] and 0.9 < hover["top1_k1"] < 1.0  # the extra hop is hidden from the text
     assert hover["top1_k3"] < hover["top1_k1"] and hover["top1_alive_k1"] == hover["top1_k1"]
+
+
+# sha256 of generate(30, seed=0)'s calls, segments and meta (json, sorted keys), taken before the
+# transcript memory existed: a default-config dataset must stay exactly as it was
+DEFAULT_DIGESTS = {"financebench": "9bf8b8586f62cb4c03c79f189497a599924974fadd407288e4ed4c91ff9a2808",
+                   "hover": "32a44c4931172b161cc73fa7a08ad9202af02f85c96c741d7e4d2505af8f2d72",
+                   "swebench": "1a9e2d9da5ca82236fb81813c4c491cda01f5e9ba27f8c8e73055eb9a9a1b220"}
+
+
+def digest(traces) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([traces.calls, traces.segments, traces.meta], sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_default_datasets_are_unchanged(name):
+    assert digest(WORKLOADS[name]().generate(30, seed=0)) == DEFAULT_DIGESTS[name]
+    assert digest(WORKLOADS[name](memory="per_agent").generate(30, seed=0)) == DEFAULT_DIGESTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_transcript_memory_resends_the_whole_conversation(name):
+    make = WORKLOADS[name]
+    plain, full = make().generate(25, seed=0), make(memory="transcript", turn_tokens=33).generate(25, seed=0)
+    assert full.meta["memory"] == "transcript" and "memory" not in plain.meta
+    same = ("workflow_id", "step", "agent", "task", "latent", "output_tokens", "tool_time", "end_of_workflow")
+    assert [[c[k] for k in same] for c in full.calls] == [[c[k] for k in same] for c in plain.calls]
+    team = sum(make().config.system_prompt_tokens.values())
+    for calls in by_workflow(full):
+        for prev, cur in zip([None] + calls, calls):
+            assert cur["prompt_ids"][:2] == [f"sys:{name}:team", f"task:{cur['workflow_id']}"]
+            assert cur["prompt_segment_tokens"][0] == team
+            assert cur["prompt_ids"][-1] == f"turn:{cur['workflow_id']}:{cur['step']}"
+            assert cur["prompt_segment_tokens"][-1] == 33
+            if prev is not None:  # the previous call's prompt and output, then what came since
+                assert cur["prompt_ids"][:len(prev["prompt_ids"]) + 1] == prev["prompt_ids"] + [prev["output_id"]]
+    assert {s["kind"] for s in full.segments.values()} == {"system", "task", "output", "tool", "turn"}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_transcript_memory_raises_the_reusable_share(name):
+    from data.stats import trace_stats
+
+    plain = trace_stats(WORKLOADS[name]().generate(100, seed=0).calls)["reusable_share"]
+    full = trace_stats(WORKLOADS[name](memory="transcript").generate(100, seed=0).calls)["reusable_share"]
+    assert plain < 0.55 and full > 0.85 and full > plain + 0.3
+
+
+def test_memory_is_checked():
+    with pytest.raises(ValueError, match="memory='shared'|memory=shared"):
+        Hover(memory="shared")
+    with pytest.raises(ValueError, match="turn_tokens"):
+        Hover(memory="transcript", turn_tokens=0)

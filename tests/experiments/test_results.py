@@ -81,3 +81,27 @@ def test_the_headline_goes_into_the_readme_between_its_marks():
     assert results.readme_with_headline(readme, "| new |") == (
         f"top\n{results.README_BEGIN}\n| new |\n{results.README_END}\nbottom\n")
     assert results.readme_with_headline("no marks\n", "| new |") == "no marks\n"
+
+
+def test_the_datasets_page_shows_what_each_datasets_prompts_resend(tmp_path):
+    """A transcript-memory variant sits beside its default dataset, with its memory and its (higher)
+    reusable share; imported traces are as recorded."""
+    from data.generators import Hover
+    from data.stats import trace_stats
+
+    for name, traces in (("hover", Hover().generate(20, seed=0)),
+                         ("hover_transcript", Hover(memory="transcript").generate(20, seed=0))):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        (tmp_path / "data" / name / "meta.json").write_text(json.dumps({**traces.meta, "stats": trace_stats(traces.calls)}))
+    (tmp_path / "data" / "real").mkdir()
+    (tmp_path / "data" / "real" / "meta.json").write_text(json.dumps(
+        {"format": "who_and_when", "stats": trace_stats(Hover().generate(3, seed=1).calls)}))
+    steps = [{"name": n, "kind": "data", "command": f"-m data.generate out=RUNS/data/{n}"}
+             for n in ("hover", "hover_transcript", "real")]
+    rows = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")
+            for line in results.dataset_page(steps, tmp_path, {}).splitlines() if line.startswith("| ")}
+    assert rows["dataset"][-2:] == ["memory", "reusable share"]
+    assert rows["hover"][-2] == "per agent" and rows["hover_transcript"][-2] == "transcript"
+    assert rows["real"][-2] == "as recorded"
+    share = {n: float(rows[n][-1].rstrip("%")) for n in ("hover", "hover_transcript")}
+    assert share["hover_transcript"] > share["hover"] + 30

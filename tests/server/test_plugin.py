@@ -160,7 +160,7 @@ def three_workflows(serving):
 def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "pbkv"]
     assert ep.value == "serving_integration.server.plugin:register"
-    for name in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "continuum"):  # undo the module fixture's
+    for name in plugin.PLUGIN_POLICIES:  # undo the module fixture's
         _EVICTION_POLICY_FACTORIES.pop(name)                                            # load_plugins, then load
         RADIX_EVICTION_POLICY_CHOICES.remove(name)
     for name in ("fifo", "mru", "filo"):  # SGLang's own, which the plugin adds to the flag's choices
@@ -169,13 +169,17 @@ def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     ep.load()()  # SGLang may load it in a process more than once
     from sglang.srt.mem_cache.evict_policy import FIFOStrategy
 
-    from serving_integration.server.strategies import (KVFlowNoLifecycleStrategy, KVFlowStrategy, LifecycleLRUStrategy,
-                                                       PBKVStrategy)
+    from serving_integration.server.strategies import (KVFlowForkStrategy, KVFlowNoLifecycleStrategy, KVFlowStrategy,
+                                                       LifecycleLRUStrategy, LRUPrefetchStrategy, PBKVStrategy)
 
     assert _EVICTION_POLICY_FACTORIES["pbkv"] is PBKVStrategy
     assert _EVICTION_POLICY_FACTORIES["pbkv_lae"] is LifecycleLRUStrategy
     assert _EVICTION_POLICY_FACTORIES["kvflow_ideal"] is KVFlowStrategy
     assert _EVICTION_POLICY_FACTORIES["kvflow_nolae"] is KVFlowNoLifecycleStrategy
+    assert _EVICTION_POLICY_FACTORIES["kvflow"] is KVFlowForkStrategy
+    assert _EVICTION_POLICY_FACTORIES["lru_prefetch"] is LRUPrefetchStrategy
+    assert set(plugin.PLUGIN_POLICIES) == {"pbkv", "pbkv_lae", "kvflow", "kvflow_ideal", "kvflow_nolae", "continuum",
+                                           "lru_prefetch"}  # every policy the registry marks as the plugin's
     assert _EVICTION_POLICY_FACTORIES["fifo"] is FIFOStrategy  # SGLang's own stays
     assert {"pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "fifo", "mru", "filo"} <= set(
         RADIX_EVICTION_POLICY_CHOICES)
@@ -213,7 +217,7 @@ def test_our_policies_get_the_python_tree_core_even_when_rust_is_asked_for():
         return CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
                                eviction_policy=policy, tree_core_backend=backend)
 
-    for policy in ("pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae"):
+    for policy in ("pbkv", "pbkv_lae", "kvflow", "kvflow_ideal", "kvflow_nolae", "lru_prefetch"):
         assert tree_core_registry.select_tree_core_backend(params(policy, "rust")) == "pbkv_python"
         assert tree_core_registry.select_tree_core_backend(params(policy)) == "pbkv_python"
     assert tree_core_registry.select_tree_core_backend(params("lru", "python")) == "python"
@@ -646,3 +650,178 @@ def test_cpu_support_stand_in_and_hicache_transfer(monkeypatch):
     compat.transfer_kv_direct(src, dst, torch.tensor([7, 2]), torch.tensor([0, 5]), page_size=1)
     assert dst[0][0].tolist() == [14.0, 15.0] and dst[1][5].tolist() == [24.0, 25.0] and dst[0][1:5].sum() == 0
     assert compat.apply_cpu_hicache_fixes() is (not torch.cuda.is_available())
+
+
+# -------------------------------------------------------------------- kvflow and lru_prefetch in the plugin
+
+
+def step_graph_dir(tmp_path, hover_small):
+    from data import store
+
+    data_dir = tmp_path / "hover"
+    store.save(store.build(hover_small), data_dir)
+    return str(data_dir)
+
+
+def test_kvflow_evicts_in_the_forks_tiers_in_sglangs_cache(tmp_path, hover_small):
+    """kvflow in SGLang's own cache: each call's agent recorded on its last node, the step graph's
+    update merged by agent name, then the fork's tiers (an agent due later is evicted first, any
+    step past hold_step - 1 in the first tier) with DFS order (here creation order) inside a tier."""
+    serving = Serving("kvflow", {"step_graph_traces": step_graph_dir(tmp_path, hover_small), "predictor_timeout_s": 0})
+    runtime, arena = serving.runtime, serving.cache.tree_core._node_arena
+    assert runtime.predictor is not None and runtime.prefetch.mode == "kvflow" and not runtime.degraded
+    agents = {"A": "verifier", "B": "retriever", "C": "summarizer"}
+    for i, (label, agent) in enumerate(agents.items()):
+        serving.serve(prompt(100 * (i + 1)), [1, 2], tag(label, agent), label=label)
+        serving.step()
+    policy = runtime.policy
+    for label, agent in agents.items():  # the agent sits on the deepest node of its call's path
+        deepest = max(serving.paths[label], key=lambda i: len(serving.path_ids(i)))
+        assert policy.node_agents[deepest] == {agent: None} and deepest in policy.last_nodes[agent]
+    step = policy.agent_step
+    assert step["retriever"] > step["verifier"] == step["summarizer"] == 0  # from the hover graph
+    tier = {label: -min(step.get(agent, policy.hold_step + 1), policy.hold_step - 1) for label, agent in agents.items()}
+    expected = sorted(agents, key=lambda label: (tier[label], list(agents).index(label)))
+    assert expected == ["B", "A", "C"] and serving.eviction_order() == expected  # LRU would give A, B, C
+
+
+def test_lru_prefetch_evicts_as_lru_in_sglangs_cache():
+    serving = Serving("lru_prefetch")
+    assert serving.runtime.prefetch.mode == "last_call" and not serving.runtime.needs_predictions
+    three_workflows(serving)
+    assert serving.eviction_order() == ["A", "B", "C"]  # what SGLang's LRU gives for the same calls
+
+
+def test_a_baselines_own_prefetch_is_refused_for_another_policy():
+    from data.errors import ConfigError
+    from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+
+    with pytest.raises(ConfigError, match="prefetch=kvflow"):
+        WorkflowRuntime("pbkv_lae", PluginConfig(prefetch="kvflow"))
+    assert WorkflowRuntime("kvflow", PluginConfig(prefetch="none")).prefetch.mode == "none"
+
+
+class HostNode:
+    """The fields of SGLang's UnifiedTreeNode that the prefetcher and the baselines read."""
+
+    def __init__(self, node_id, parent, tokens, on_device=True):
+        self.id, self.parent, self.key, self.children = node_id, parent, [0] * tokens, {}
+        self.creation_time = self.last_access_time = float(node_id)
+        self.hit_count, self.priority = 0, 0
+        self.evicted, self.backuped, self.load_back_pending_id = not on_device, True, None
+        self.component_data = [types.SimpleNamespace(lock_ref=0)]  # ComponentType.FULL's
+
+
+class HostCache:
+    """A stand-in UnifiedRadixCache with HiCache: `free` device tokens, `evictable` unlocked ones, and
+    load_back recorded (it loads the host-only path above the node, as SGLang's does)."""
+
+    def __init__(self, nodes, free, evictable=0, leaves=()):
+        self.tree_core = types.SimpleNamespace(_node_arena={n.id: n for n in nodes}, evictable_device_leaves=list(leaves))
+        self.cache_controller = types.SimpleNamespace(ack_load_queue=[], mem_pool_host=None)
+        self.free, self.evictable, self.loaded = free, evictable, []
+        self.on_load = lambda: None  # what a test reads while SGLang's load_back would evict
+        self.token_to_kv_pool_allocator = types.SimpleNamespace(available_size=lambda: self.free)
+
+    def evictable_size(self):
+        return self.evictable
+
+    def load_back(self, node_id):
+        node = self.tree_core._node_arena[node_id]
+        self.loaded.append(node_id)
+        self.on_load()
+        while node is not None and node.evicted:
+            node.evicted, self.free = False, self.free - len(node.key)
+            node = node.parent
+        return True
+
+    def ready_to_load_host_cache(self):
+        return 0
+
+
+def call(runtime, rid, workflow, agent, node, finished=True):
+    """One call of `workflow` whose path ends at `node`, as the plugin's hooks report it."""
+    req = types.SimpleNamespace(rid=rid, kv_hints=None, origin_input_ids=[0] * 8, output_ids=[0] * 2,
+                                finished=lambda: finished, sampling_params=types.SimpleNamespace(custom_params={
+                                    "pbkv": {"workflow_id": workflow, "agent": agent, "step": 0,
+                                             "workflow_end": False}}))
+    runtime.on_cached(req, [node.id], node)
+    if finished:
+        runtime.on_finished(req)
+
+
+PREFETCH_CONFIG = {"prefetch_reserve_tokens": 0, "kv_bytes_per_token": 5_000_000, "predictor_timeout_s": 0}
+# 25 GB/s x 20 ms / 5 MB per token: 100 tokens a step
+
+
+def kvflow_round(free):
+    """Three workflows, one call each (agents a, b, c; a step graph a -> b -> c -> d), their cache
+    then pushed to the host, and one step update: b, c and d are due at step 0, a is not due."""
+    from serving_integration.cache.predictions import AgentStepGraph
+    from serving_integration.server.prefetch import HostPrefetcher
+    from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+
+    runtime = WorkflowRuntime("kvflow", PluginConfig(**PREFETCH_CONFIG),
+                              AgentStepGraph.from_traces([["a", "b", "c", "d"]] * 4, 3))
+    root = HostNode(0, None, 0)
+    n1, n2, n3 = HostNode(1, root, 5), HostNode(2, root, 20), HostNode(3, root, 5)
+    for rid, (workflow, agent, node) in enumerate([("W1", "a", n1), ("W2", "b", n2), ("W3", "c", n3)]):
+        call(runtime, f"r{rid}", workflow, agent, node)
+    for node in (n1, n2, n3):
+        node.evicted = True  # written through, then evicted from the device
+    cache = HostCache([root, n1, n2, n3], free=free)
+    runtime.run_predictions()  # the update: W1 -> b (step 0), W2 -> c (0), W3 -> d (0)
+    return runtime, HostPrefetcher(runtime, cache), cache
+
+
+def test_kvflow_prefetch_loads_the_due_agents_last_nodes_in_step_order_and_holds_them():
+    runtime, prefetcher, cache = kvflow_round(free=30)
+    policy = runtime.policy
+    assert policy.agent_step == {"b": 0, "c": 0, "d": 0} and prefetcher.tokens_per_step == 100
+    assert prefetcher.prefetch_once() == 25
+    assert cache.loaded == [2, 3]  # b's last node, then c's; a is not due, so W1's cache stays on the host
+    assert policy.hold(cache.tree_core._node_arena[2]) == policy.hold(cache.tree_core._node_arena[3]) == 1
+    assert policy.priority(cache.tree_core._node_arena[2])[0] == -1  # held: evicted after every unheld tier
+    assert runtime.stats["prefetched_tokens"] == 25 and runtime.stats["prefetch_rounds"] == 1
+    assert prefetcher.prefetch_once() == 0  # one round per update
+
+
+def test_kvflow_prefetch_ends_its_round_at_the_first_load_that_does_not_fit():
+    runtime, prefetcher, cache = kvflow_round(free=15)  # b's 20 tokens do not fit (nothing evictable)
+    assert prefetcher.prefetch_once() == 0 and cache.loaded == []  # c's 5 would: the fork stops anyway
+    assert runtime.policy.pending == {} and runtime.stats["prefetch_rounds"] == 0
+    runtime, prefetcher, cache = kvflow_round(free=15)
+    cache.evictable = 10  # kvflow may evict any unlocked cache for its loads (SGLang's load_back does)
+    assert prefetcher.prefetch_once() == 25 and cache.loaded == [2, 3]
+
+
+def test_lru_prefetch_loads_the_longest_waiting_workflows_last_nodes_into_free_and_retired_space():
+    from serving_integration.server.prefetch import HostPrefetcher
+    from serving_integration.server.runtime import PluginConfig, WorkflowRuntime
+
+    runtime = WorkflowRuntime("lru_prefetch", PluginConfig(**PREFETCH_CONFIG))
+    assert runtime.predictor is None and not runtime.degraded  # no predictor: none is needed
+    root = HostNode(0, None, 0)
+    nodes = {i: HostNode(i, root, 5) for i in (1, 2, 3, 4)}
+    call(runtime, "r1", "W1", "a", nodes[1])
+    call(runtime, "r2", "W1", "b", nodes[2])  # W1's latest agent
+    call(runtime, "r3", "W2", "a", nodes[3])
+    call(runtime, "r4", "W3", "a", nodes[4])
+    call(runtime, "r5", "W3", "b", nodes[4], finished=False)  # W3's next call is in flight: not waiting
+    for node in nodes.values():
+        node.evicted = True
+    live_leaf, retired_leaf = HostNode(5, root, 100), HostNode(6, root, 4)
+    runtime.ledger.record_path([live_leaf.id], "W1", "a")  # W1's cache on the device; nobody's is the other leaf
+    cache = HostCache([root, *nodes.values(), live_leaf, retired_leaf], free=8, evictable=1000,
+                      leaves=[live_leaf, retired_leaf])
+    prefetcher = HostPrefetcher(runtime, cache)
+    assert prefetcher.room() == 12  # free space and the retired leaf, never the live one
+    flags = []
+    cache.on_load = lambda: flags.append(runtime.priority(live_leaf) == runtime.fallback.priority(live_leaf))
+    assert prefetcher.prefetch_once() == 10
+    assert cache.loaded == [2, 1] and flags == [True, True]  # W1 waited longest: its latest agent's node first;
+    # SGLang made room in lifecycle-aware order (retired first); W2's does not fit any more
+    assert not runtime.making_room_for_prefetch and runtime.stats["prefetched_tokens"] == 10
+    assert runtime.priority(live_leaf) == runtime.policy.priority(live_leaf)  # LRU again outside the load
+    cache.free = 50
+    assert prefetcher.prefetch_once() == 5 and cache.loaded == [2, 1, 3]  # then W2's; never W3's

@@ -127,3 +127,35 @@ def test_simulator_matches_the_server(runs, dataset, checkpoint):
     # command; this short version allows 8.
     for line in table["rows"]:
         assert abs(line["real_hit_rate"] - line["sim_hit_rate"]) <= SHORT_TOLERANCE, line
+
+
+@pytest.fixture(scope="module")
+def baseline_runs(dataset, tmp_path_factory):
+    """kvflow (its step graph from the dataset) and lru_prefetch, each on a fresh server, the test split
+    replayed on each: the plugin serves both with their own prefetch."""
+    logs = tmp_path_factory.mktemp("baseline-logs")
+    workflows = bench.replay_workflows(dataset.rows("test"))
+    out = {}
+    for policy in ("kvflow", "lru_prefetch"):
+        extra = ["--step-graph-traces", str(dataset.path)] if policy == "kvflow" else []
+        out[policy] = validate_sim.real_run(workflows, policy, gpu_tokens=GPU_TOKENS, concurrency=CONCURRENCY,
+                                            tool_time_scale=TOOL_TIME_SCALE, log_dir=logs, extra_launch=extra)
+        print(f"{policy}: server ready in {out[policy]['ready_s']:.0f} s, replay {out[policy]['replay_s']:.0f} s")
+    return out
+
+
+def test_kvflow_and_lru_prefetch_are_served_with_their_own_prefetch(baseline_runs, dataset):
+    rows = dataset.rows("test")
+    own = {"kvflow": "kvflow", "lru_prefetch": "last_call"}
+    for policy, run in baseline_runs.items():
+        row, plugin, results = run["row"], run["plugin"], run["results"]
+        assert len(results) == len(rows) and row["failed_calls"] == 0, (policy, {r.error for r in results if not r.ok})
+        assert plugin["policy"] == policy and plugin["prefetch"] == own[policy]
+        counters = plugin["counters"]
+        assert counters.get("calls_finished", 0) == len(rows) and counters.get("hook_errors", 0) == 0, counters
+        assert counters.get("prefetched_tokens", 0) > 0 and counters.get("prefetch_rounds", 0) >= 1, (policy, counters)
+        assert row["gpu_hit_tokens"] > 0 and plugin["live_workflows"] == 0
+    kvflow = baseline_runs["kvflow"]["plugin"]
+    assert kvflow["has_predictor"] and not kvflow["degraded"]  # the step graph drove its updates
+    assert kvflow["counters"].get("predictor_calls", 0) >= 1
+    assert not baseline_runs["lru_prefetch"]["plugin"]["has_predictor"]  # plain prefetch: no predictor
