@@ -169,6 +169,8 @@ def versus(r: dict, base: dict | None, field: str, null_spec: str = "{:.2f}") ->
     interval contains 1 (0 for a difference)."""
     if base is None or not all(isinstance(x.get(field), (int, float)) for x in (r, base)):
         return "n/a"
+    if r is base:
+        return "-"
     if field == "recompute_rate":
         seeds = shown(in_points(over_seeds(paired_differences(r, base, field))), "{:+.1f}", 0.0)
         workflows = in_points(workflow_bootstrap(r, base, "missed_difference"))
@@ -773,7 +775,10 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str, str]]:
                     series = chosen_series(series, rows_of, MAX_SERIES - 1)
                     pbkv = next((pts for lab, pts in by_label.items() if rows_of[lab]["policy"] == "pbkv"
                                  and rows_of[lab]["prefetch"] == "none"), None)
-                    if pbkv and all(r.get("bound_hit_rate") is not None for r in pbkv):
+                    if pbkv and all(r.get("setting_bound_hit_rate") is not None for r in pbkv):
+                        bound = {"upper bound (every policy of the setting)": [
+                            (r[axis], per_seed(r, "setting_bound_hit_rate")) for r in pbkv]}
+                    elif pbkv and all(r.get("bound_hit_rate") is not None for r in pbkv):  # runs before it
                         bound = {"upper bound (PBKV's requests)": [(r[axis], per_seed(r, "bound_hit_rate"))
                                                                    for r in pbkv]}
                 else:
@@ -950,7 +955,8 @@ def cluster_section(rows) -> str:
         found = cluster_best(combos, at) if workload.split("-")[0] in workloads else None
         if found:
             routing, ev, top, ratios = found
-            vs = "; ".join(f"x{pm(h)} hit rate, x{pm(l)} latency speed-up over {b[0]} + {b[1]}"
+            vs = "; ".join(f"hit rate x {shown(over_seeds(h), null=1.0)}, latency speed-up "
+                           f"{shown(over_seeds(l), null=1.0)} over {b[0]} + {b[1]}"
                            for b, (h, l) in ratios.items()) or "no base combination in these runs"
             named.append(f"- **{workload}** ({at} replicas): best **{routing} + {ev}** at "
                          f"{pm(per_seed(top, 'hit_rate'), '{:.1%}')} GPU hit rate, mean latency "
