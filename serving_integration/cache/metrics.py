@@ -3,6 +3,8 @@ client against a real server (bench.py): both write rows of the same summary.jso
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 
 
@@ -19,10 +21,28 @@ def _percentile(values, q: float) -> float:
 TIME_SPLIT = ("tool", "queue", "prefill", "decode", "pcie")
 
 
+def per_workflow_results(latencies: dict, calls) -> dict:
+    """What each workflow of a replay cost, as columns ordered by workflow id (so that two policies'
+    replays of the same workflows pair index by index): `workflow` (ids), `latency_s`,
+    `missed_tokens` (prompt tokens prefilled: neither a GPU nor a host hit, what recompute_rate
+    counts) and `prompt_tokens`. `latencies`: workflow id -> its latency (finished workflows only);
+    `calls`: (workflow id, prompt tokens, missed tokens) per call. The report's paired bootstrap over
+    workflows reads them."""
+    missed, prompt = defaultdict(int), defaultdict(int)
+    for workflow, prompt_tokens, missed_tokens in calls:
+        prompt[workflow] += prompt_tokens
+        missed[workflow] += missed_tokens
+    ids = sorted(latencies)
+    return {"workflow": ids, "latency_s": [round(float(latencies[w]), 6) for w in ids],
+            "missed_tokens": [int(missed[w]) for w in ids], "prompt_tokens": [int(prompt[w]) for w in ids]}
+
+
 def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: int, workflow_latencies,
-                   ttfts, calls: int, makespan_s: float, time_totals: dict | None = None) -> dict:
+                   ttfts, calls: int, makespan_s: float, time_totals: dict | None = None,
+                   per_workflow: dict | None = None) -> dict:
     """hit_rate is GPU-hit prompt tokens over prompt tokens; reuse_rate (the prefix-cache hit rate)
     counts host hits too; recompute_rate is the share of prompt tokens prefilled (missed).
+    `per_workflow`: per_workflow_results of the replay (null where the caller has none).
 
     `time_totals`: seconds summed over all workflows for each part of TIME_SPLIT (a part the caller
     cannot measure is None or absent); reported as means per workflow, `time_{part}_s` (null where
@@ -47,6 +67,7 @@ def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: 
         "mean_ttft_s": _mean(ttfts),
         "throughput_calls_per_s": calls / makespan_s if makespan_s > 0 else 0.0,
         **split,
+        "per_workflow": per_workflow,
     }
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving_integration.cache.metrics import replay_metrics
+from serving_integration.cache.metrics import per_workflow_results, replay_metrics
 from serving_integration.experiments.rows import make_row
 from serving_integration.cache.workflow_tags import (HIDDEN_RESPONSE_KEY, WorkflowTag, custom_params_for,
                                                      end_signal_tag, kv_hints_for, rid_for)
@@ -404,7 +404,11 @@ def summarize(replay: ClosedLoopReplay, labels: dict, extra: dict | None = None)
                          makespan_s=replay.makespan_s,
                          # a client measures its own tool time; queueing, prefill, decode and PCIe
                          # happen inside the server and stay null
-                         time_totals={"tool": replay.tool_s}),
+                         time_totals={"tool": replay.tool_s},
+                         per_workflow=per_workflow_results(
+                             replay.workflow_latencies,
+                             ((r.workflow_id, r.prompt_tokens, r.prompt_tokens - r.device_tokens - r.host_tokens)
+                              for r in ok))),
         "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else 0.0,
         "mean_call_latency_s": float(np.mean([r.latency_s for r in ok])) if ok else 0.0,
         "makespan_s": replay.makespan_s, **(extra or {}),

@@ -35,7 +35,10 @@ data: `data.source.seed=s`; imported traces: `data.split.seed=s`; data.store.res
 simulator and noise seeded with s, a predictor trained with seed s; summary.json's `rows` then hold
 the mean over seeds of every metric, its 95% confidence interval (`{metric}_ci95`, Student t over
 the seeds) and the per-seed values (`{metric}_per_seed`); `seed_rows` the per-seed rows. Without
-`seeds`, one replay with `seed` on the data as configured.
+`seeds`, one replay with `seed` on the data as configured. On imported traces (fixed data) each row
+also keeps `per_workflow`, every replayed workflow's latency and missed prompt tokens (pooled over the
+seeds, ids prefixed by the seed) for the report's paired bootstrap over workflows; on generated
+workloads it is null.
 
 The end signal reaches the cache `sim.end_signal_delay_s` after a workflow's last call (null: the
 median tool time of the train split, the typical time an orchestrator takes to act on a result);
@@ -219,7 +222,13 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
     def replay_seed(ds, seed: int):
         replay = Replay.from_dataset(ds, knobs.run.split, knobs.sim.n_workflows, knobs.pbkv.horizon)
         sim = sim_config(cfg.sim, replay.train, seed)
-        return evaluate_seed(replay, sim, knobs, seed)
+        rows, info = evaluate_seed(replay, sim, knobs, seed)
+        if ds.meta.get("format") == "generated":
+            # a generated workload draws new workflows per seed: its interval is the seeds', and its
+            # summary.json stays small; imported traces keep them for the bootstrap over workflows
+            for row in rows:
+                row["per_workflow"] = None
+        return rows, info
 
     if not knobs.run.seeds:
         rows, info = replay_seed(store.resolve(cfg.data), knobs.run.seed)
@@ -229,7 +238,9 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
         for seed in knobs.run.seeds:
             rows, info[seed] = replay_seed(store.resolve_seeded(cfg.data, seed), seed)
             seed_rows += rows
-        summary = {"rows": aggregate_seeds(seed_rows), "seed_rows": seed_rows,
+        # the rows pool the seeds' per-workflow results (keyed by seed); the seed rows do not repeat them
+        summary = {"rows": aggregate_seeds(seed_rows),
+                   "seed_rows": [{**r, "per_workflow": None} if r.get("per_workflow") else r for r in seed_rows],
                    "predictor": {s: i["predictor"] for s, i in info.items()},
                    "kvflow_graph": {s: i["kvflow_graph"] for s, i in info.items()},
                    "end_signal": {s: i["end_signal"] for s, i in info.items()}}

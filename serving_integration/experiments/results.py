@@ -328,7 +328,7 @@ def pipeline_figure(path: Path) -> None:
 # -------------------------------------------------------------------- rendering
 
 def render(steps: list[dict], runs: Path, out: Path) -> Path:
-    from serving_integration.experiments.report import headline_picks, headline_table
+    from serving_integration.experiments.report import headline_table, operating_points
 
     record_file = runs / "steps.json"
     if not record_file.is_file():
@@ -370,7 +370,7 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
     with atomic_file(out) as tmp:
         tmp.write_text(index_page(by_kind, runs, record, pages_dir, all_rows, plots))
     readme = out.parent.parent / "README.md"
-    if headline_picks(all_rows) and readme.is_file():
+    if operating_points(all_rows) and readme.is_file():
         text = readme.read_text()
         updated = readme_with_headline(text, headline_table(all_rows))
         if updated != text:

@@ -135,7 +135,8 @@ def _describe(row: dict) -> str:
 def aggregate_seeds(rows: list[dict]) -> list[dict]:
     """One row per setting and method over the seeds of `rows`: each metric's mean, its 95%
     confidence interval `{metric}_ci95` (half-width, Student t with n-1 degrees of freedom; None
-    for one seed) and `{metric}_per_seed`; `seeds` lists the seeds, `workflows` and `calls` are totals."""
+    for one seed) and `{metric}_per_seed`; `seeds` lists the seeds, `workflows` and `calls` are totals;
+    `per_workflow` pools the seeds' per-workflow results (pool_per_workflow)."""
     from scipy import stats
 
     groups: dict[tuple, list[dict]] = {}
@@ -151,6 +152,9 @@ def aggregate_seeds(rows: list[dict]) -> list[dict]:
         for name in first:
             if name in ROW_LABELS:
                 continue
+            if name == "per_workflow":
+                row[name] = pool_per_workflow(group)
+                continue
             values = [r.get(name) for r in group]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 row[name] = first[name] if all(v == first[name] for v in values) else None
@@ -162,3 +166,20 @@ def aggregate_seeds(rows: list[dict]) -> list[dict]:
             row[f"{name}_per_seed"] = values
         out.append(row)
     return out
+
+
+def pool_per_workflow(rows: list[dict]) -> dict | None:
+    """The per-workflow results (cache/metrics.py per_workflow_results) of one method's seeds as one
+    set of columns, each workflow id prefixed by its seed (`3/wf-17`: with imported traces a seed
+    splits the same workflows anew, so one workflow may be replayed under several seeds, each a
+    separate sample); null when a seed has none."""
+    if any(not r.get("per_workflow") for r in rows):
+        return None
+    columns = list(rows[0]["per_workflow"])
+    pooled = {c: [] for c in columns}
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        results = r["per_workflow"]
+        pooled["workflow"] += [f"{r['seed']}/{w}" for w in results["workflow"]]
+        for c in columns[1:]:
+            pooled[c] += list(results[c])
+    return pooled

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.metrics import replay_metrics
+from serving_integration.cache.metrics import per_workflow_results, replay_metrics
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
@@ -136,6 +136,7 @@ class Counters:
     predictor_time_s: float = 0.0
     ttfts: list = field(default_factory=list)
     latencies: list = field(default_factory=list)
+    latency_workflows: list = field(default_factory=list)  # the workflow id of each of `latencies`
     # summed over calls: tool time, admission wait, and the time spent in prefill compute, decode,
     # PCIe loads and charged predictor time while the call ran (each call's latency is the sum)
     time_tool_s: float = 0.0
@@ -696,6 +697,7 @@ class Simulator:
             self._wait_for_call(wf, server.now)
         else:
             server.counters.latencies.append(server.now - wf.start_time)
+            server.counters.latency_workflows.append(wf.id)
             del self.live[wf.id]
             self._end_of_workflow(wf, server)
             tell_finished(self.predictions, wf)
@@ -757,12 +759,16 @@ class Simulator:
         self._retire(wf_id)
 
 
-def summarize(counters: Counters, makespan: float, n_calls: int) -> dict:
+def summarize(counters: Counters, makespan: float, n_calls: int, trace: list[Request] = ()) -> dict:
+    """The run's row metrics; `trace` (every request once or twice) gives each workflow's recomputed tokens."""
     c = counters
+    requests = {id(r): r for r in trace}.values()
+    per_workflow = per_workflow_results(dict(zip(c.latency_workflows, c.latencies)),
+                                        ((r.wf.id, r.gpu_hit + r.host_hit + r.miss, r.miss) for r in requests))
     return {
         **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
                          prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
-                         calls=n_calls, makespan_s=makespan,
+                         calls=n_calls, makespan_s=makespan, per_workflow=per_workflow,
                          time_totals={"tool": c.time_tool_s, "queue": c.time_queue_s, "prefill": c.time_prefill_s,
                                       "decode": c.time_decode_s, "pcie": c.time_pcie_s,
                                       "predictor": c.time_predictor_s}),
@@ -792,7 +798,7 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
-    result = summarize(counters, sim.now, sum(len(w.calls) for w in workflows))
+    result = summarize(counters, sim.now, sum(len(w.calls) for w in workflows), sim.trace)
     calls = [s.calls for s in sim.servers]
     result.update(replica_calls=calls, load_imbalance=max(calls) / (sum(calls) / len(calls)) if sum(calls) else 1.0,
                   migrations=sim.router.migrations)

@@ -184,8 +184,8 @@ def test_report_names_the_best_four_replica_combination(tmp_path):
     section = md[md.index("## A cluster"):]
     section = section[:section.index("\n## ")]  # up to the next section
     assert "best **pbkv + pbkv** at 36.0% GPU hit rate" in section
-    assert "x1.80 hit rate, x1.60 latency speed-up over round_robin + lru" in section
-    assert "x1.20 hit rate, x1.20 latency speed-up over cache_aware + lru" in section
+    assert "hit rate x 1.80, latency speed-up 1.60 over round_robin + lru" in section  # one seed: no interval
+    assert "hit rate x 1.20, latency speed-up 1.20 over cache_aware + lru" in section
     one_server = [line for line in section.splitlines() if line.startswith("| 1 |")]
     assert len(one_server) == 1 and "| none |" in one_server[0]  # one replica: routing cannot matter
 
