@@ -150,8 +150,9 @@ def predictor_page(steps: list[dict], runs: Path, record: dict) -> str:
              "The second table of each section is the time until each predicted call (models/timing.py: the sum of "
              "the next k gaps, without the serving side's own queue and service time): the mean absolute error of "
              "the predicted median's log time, log(seconds + offset), per k and over all steps, and the share of "
-             "true times at or below each predicted quantile (calibrated: the quantile's level; an atom of zero "
-             "gaps pushes the low quantiles' share above it). Traces without gaps say 'per-agent fallback'."]
+             "true times strictly below and at or below each predicted quantile, over all steps (one number when "
+             "they agree; calibrated when the quantile's level lies between them: an atom of zero gaps at the "
+             "quantile separates them). Traces without gaps say 'per-agent fallback'."]
     for step in steps:
         folder = [runs / "train" / step["name"]]
         parts += [f"## {step['title']}", format_table(folder, ["top1", "top1_alive"]), format_time_table(folder),
