@@ -14,6 +14,13 @@ chance that the k-th next call goes to agent a is :math:`s^{(k)} P^{(k)}[a]`.
 Vocabulary: ``agent_names[0]`` is ``"<unk>"`` (agents the checkpoint never saw map there),
 ``agent_names[1:]`` are the training agents in sorted order, and END is index
 ``len(agent_names)``.
+
+Beside them, :meth:`Predictor.predict_when` also gives, for each of the K steps, quantiles of the
+time until that call arrives, in seconds from the end of the latest call (models/timing.py says
+precisely what that time counts and what the serving side adds to it):
+
+.. math::
+    \tau^{(k)}_q, \quad q \in \texttt{time\_quantiles}, \quad k = 1..K
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from models.text import TEXT_CACHE_SIZE, TextFeatures, TextSpec
+from models.timing import TimeSpec
 
 UNK = "<unk>"
 UNK_ID = 0
@@ -112,7 +120,9 @@ class Predictor(nn.Module, ABC):
     """Base of all four families: vocabulary, prefix encoding, text features, predict().
 
     Subclasses implement :meth:`forward` (a :class:`PrefixBatch` to logits [B, K, A+1]) and
-    :meth:`init_args` (the plain constructor arguments a checkpoint stores).
+    :meth:`init_args` (the plain constructor arguments a checkpoint stores); those that predict
+    time better than the per-agent empirical table (models.timing.agent_table) override
+    :meth:`forward_with_time`.
     """
 
     family: ClassVar[str]
@@ -123,7 +133,9 @@ class Predictor(nn.Module, ABC):
     batch_invariant: ClassVar[bool] = False
 
     def __init__(self, agent_names: Sequence[str], horizon: int, text: dict | None = None,
-                 max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE):
+                 max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE, time: dict | None = None):
+        """`time`: a models.timing.TimeSpec as a dict (None: a checkpoint from before time prediction;
+        predict_when then refuses)."""
         super().__init__()
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
@@ -135,6 +147,10 @@ class Predictor(nn.Module, ABC):
         if self.text_features.projection is not None:  # the same tensor: loading a checkpoint fills it in place
             self.register_buffer("hidden_projection", self.text_features.projection)
         self._agent_index = {name: i for i, name in enumerate(self.agent_names)}
+        self.time_spec = TimeSpec.from_dict(time)
+        if self.time_spec is not None and tuple(self.time_spec.table.shape[:2]) != (self.n_classes, self.horizon):
+            raise ValueError(f"time table has shape {tuple(self.time_spec.table.shape)}, the vocabulary and horizon "
+                             f"need ({self.n_classes}, {self.horizon}, Q)")
 
     # ------------------------------------------------------------------ vocabulary
     @property
@@ -153,6 +169,33 @@ class Predictor(nn.Module, ABC):
     @abstractmethod
     def forward(self, batch: PrefixBatch) -> Tensor:
         """Logits [B, K, A+1]; softmax over the last axis gives P^(1..K)."""
+
+    def forward_with_time(self, batch: PrefixBatch) -> tuple[Tensor, Tensor]:
+        """Logits [B, K, A+1] (exactly :meth:`forward`'s) and log-time quantiles [B, K, Q]
+        (models.timing: z = log(seconds + offset_s)); here the per-agent empirical table."""
+        return self(batch), self.agent_log_time(batch)
+
+    def agent_log_time(self, batch: PrefixBatch) -> Tensor:
+        return self.require_time().agent_log_time(batch.path[:, -1])
+
+    def require_time(self) -> TimeSpec:
+        if self.time_spec is None:
+            raise ValueError(f"this {self.family} predictor was saved before predictors gave times; retrain it "
+                             "(python train.py ...) for predict_when")
+        return self.time_spec
+
+    @property
+    def time_quantiles(self) -> list[float]:
+        """The levels q of predict_when's last axis (TimeConfig.quantiles of the training run)."""
+        return list(self.require_time().quantiles)
+
+    @property
+    def time_fallback(self) -> bool:
+        """True when the training traces had no gaps: the times are the per-agent empirical table."""
+        return self.require_time().fallback
+
+    def time_init_args(self) -> dict:
+        return {} if self.time_spec is None else {"time": self.time_spec.to_dict()}
 
     @abstractmethod
     def init_args(self) -> dict:
@@ -206,6 +249,22 @@ class Predictor(nn.Module, ABC):
             self.eval()
         try:
             return torch.softmax(self(self.encode_prefixes(prefixes)), dim=-1)
+        finally:
+            if was_training:
+                self.train()
+
+    @torch.inference_mode()
+    def predict_when(self, prefixes: Sequence[WorkflowPrefix]) -> tuple[Tensor, Tensor]:
+        """One forward pass: P^(1..K) as :meth:`predict` gives them, [B, K, len(agent_names) + 1], and
+        the quantiles of the time until each of the K calls, [B, K, len(time_quantiles)] seconds from
+        the end of the latest call (conditional on the call happening; models/timing.py)."""
+        spec = self.require_time()
+        was_training = self.training
+        if was_training:
+            self.eval()
+        try:
+            logits, log_time = self.forward_with_time(self.encode_prefixes(prefixes))
+            return torch.softmax(logits, dim=-1), spec.seconds(log_time)
         finally:
             if was_training:
                 self.train()

@@ -9,8 +9,9 @@ A checkpoint is one ``torch.save`` file holding only plain values and tensors (i
     init          the constructor arguments: agent_names (the vocabulary, "<unk>" first),
                   horizon, max_path, text (the text source and encoder choice), graph (the call
                   graph: transition counts and typed relation edges), the Markov counts, the
-                  family's hyper-parameters
-    state_dict    the weights
+                  family's hyper-parameters, time (models.timing.TimeSpec: quantile levels,
+                  log offset, gap source, per-agent table) and for Markov its gaps
+    state_dict    the weights (with the time head's, time_head.*)
     config        the resolved Hydra config of the run that trained it
     metrics       the run's validation and test metrics
     training      train seconds, epochs, parameter count

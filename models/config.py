@@ -8,7 +8,8 @@ and a help line (data.knobs), registered as the Hydra schemas of train.py's conf
     conf/trainer/*.yaml             TrainerConfig                                (pytorch_lightning.Trainer)
     conf/callbacks/*.yaml           ModelCheckpointConfig, EarlyStoppingConfig, RichProgressBarConfig
     conf/logger/*.yaml              CsvLoggerConfig, WandbLoggerConfig
-    conf/train.yaml                 TrainConfig (seed, horizon, checkpoint_name, torch_threads, datamodule, ...)
+    conf/train.yaml                 TrainConfig (seed, horizon, checkpoint_name, torch_threads, datamodule, time, ...)
+        time                        TimeConfig: the time-until-call quantiles every family predicts
     conf/intentkv_train.yaml        IntentKVTrainConfig                          (python -m models.intentkv.train)
 
 The predictors and encoders take their hyper-parameters as keyword arguments and check them here
@@ -256,6 +257,35 @@ CALLBACK_CONFIGS = {"model_checkpoint": ModelCheckpointConfig, "early_stopping":
 LOGGER_CONFIGS = {"csv": CsvLoggerConfig, "wandb": WandbLoggerConfig}
 
 
+# ------------------------------------------------------------------ when the next calls arrive (models/timing.py)
+
+def _quantile_list(v) -> Optional[str]:
+    if list(v) != sorted(set(v)) or not all(0 < q < 1 for q in v):
+        return "should be increasing, distinct, each strictly between 0 and 1"
+    if 0.5 not in v:
+        return "should include 0.5 (the median, whose error metrics.json reports)"
+    return None
+
+
+@dataclass
+class TimeConfig(Knobs):
+    """The time until each of the K predicted calls arrives (models/timing.py): which quantiles every
+    family predicts, how the neural ones learn them, how the Markov one estimates them."""
+
+    quantiles: List[float] = knob(None, "the quantiles of the time until each predicted call (the one list: "
+                                        "Markov tables, neural heads and metrics use it)", nonempty, _quantile_list,
+                                  factory=lambda: [0.1, 0.5, 0.9])
+    offset_s: float = knob(0.1, "log time is log(seconds + offset_s): gaps below about this count as immediate",
+                           above(0))
+    loss_weight: float = knob(1.0, "weight of the time head's pinball loss beside the cross-entropy (it trains "
+                                   "the time head only: the next-agent weights never see it)", at_least(0))
+    hidden: int = knob(64, "width of the neural families' time head's hidden layer", at_least(1))
+    min_samples: int = knob(5, "gaps an (agent -> next agent) transition (Markov) or an agent needs before its own "
+                               "empirical distribution is used; fewer: back off to the agent's, then to all gaps",
+                            at_least(1))
+    paths: int = knob(1000, "Markov: paths sampled per chain state for the steps k >= 2 (seeded)", at_least(1))
+
+
 # ------------------------------------------------------------------ train.py's root
 
 @dataclass
@@ -295,6 +325,8 @@ class TrainConfig(Knobs):
                                         at_least(1))
     optimized_metric: Optional[str] = knob(None, "the metric returned to a sweeper (hparams_search sets it)")
     datamodule: DataModuleConfig = knob(None, "examples: one per agent call", factory=DataModuleConfig)
+    time: TimeConfig = knob(None, "the time until each predicted call (quantiles, head, loss weight)",
+                            factory=TimeConfig)
     data: Any = knob(None, "the dataset (conf/data, data/config.py)")
     model: Any = knob(None, "the predictor family (conf/model)")
     trainer: Any = knob(None, "the Lightning Trainer (conf/trainer)")
@@ -305,7 +337,7 @@ class TrainConfig(Knobs):
 def train_config(cfg) -> TrainConfig:
     """train.py's composed config as its checked form: each group by its own knobs class."""
     top = build({k: cfg[k] for k in ("task_name", "seed", "horizon", "checkpoint_name", "torch_threads",
-                                     "optimized_metric", "datamodule") if k in cfg}, TrainConfig)
+                                     "optimized_metric", "datamodule", "time") if k in cfg}, TrainConfig)
     top.data = data_config(cfg.data)
     name = cfg.model.get("name")
     if name not in MODEL_CONFIGS:

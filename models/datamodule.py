@@ -1,8 +1,9 @@
 """LightningDataModule over a trace dataset: one example per agent call.
 
 The example for call t of a workflow with T calls is the prefix up to and including that call
-(its last ``max_path`` agents, the call count, the text signal) and K labels: the agent of call
-t+k, END when t+k = T, and IGNORE_INDEX (masked) past the end.
+(its last ``max_path`` agents, the call count, the text signal), K labels: the agent of call
+t+k, END when t+k = T, and IGNORE_INDEX (masked) past the end, and K times: the seconds until
+call t+k arrives (models/timing.py; NaN where that call does not exist).
 
 The vocabulary, the call graph and the Markov counts come from the training split only; agents
 that appear only in val/test map to ``<unk>`` in the examples (predictors that embed agents by
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig
@@ -22,10 +24,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from data import store
+from data.knobs import build
 from data.schema import SPLITS
 from models.base import IGNORE_INDEX, UNK_ID, vocabulary
 from models.graph import CallGraph
 from models.text import TextFeatures, TextSpec, agent_identity_text
+from models.timing import times_until, workflow_gaps
 
 
 @dataclass
@@ -33,6 +37,13 @@ class Workflow:
     agents: list[str]
     task: str
     hidden: list[list[float]] = field(default_factory=list)  # one per call; [] where absent
+    tool_time: list[float | None] = field(default_factory=list)  # the trace's time columns, one per call
+    start_time: list[float | None] = field(default_factory=list)
+    end_time: list[float | None] = field(default_factory=list)
+
+    def gaps(self, source: str) -> list[float]:
+        """Each call's gap in seconds (models.timing.workflow_gaps)."""
+        return workflow_gaps(self.tool_time, self.start_time, self.end_time, source)
 
 
 @dataclass
@@ -55,21 +66,42 @@ class Corpus:
     # labels are <unk>), with their identity vectors [M, D]
     unseen_agents: list[str] = field(default_factory=list)
     unseen_vectors: Tensor | None = None
+    # when the calls arrive: the time knobs, where the gaps come from (models.timing.TIME_SOURCES) and
+    # each training call's gap (aligned with train_sequences)
+    time: "TimeConfig | None" = None
+    time_source: str = "none"
+    train_gaps: list[list[float]] = field(default_factory=list)
 
 
 def workflows_of(calls) -> list[Workflow]:
     """Group a split's rows (already grouped by workflow, in step order) into workflows."""
-    columns = calls.select_columns(["workflow_id", "agent", "task", "hidden"]).to_dict()
+    names = ["workflow_id", "agent", "task", "hidden", "tool_time", "start_time", "end_time"]
+    columns = calls.select_columns([n for n in names if n in calls.column_names]).to_dict()
+    none = [None] * len(columns["agent"])
     workflows: list[Workflow] = []
     last_id = None
-    for wid, agent, task, hidden in zip(columns["workflow_id"], columns["agent"], columns["task"],
-                                        columns["hidden"]):
+    for wid, agent, task, hidden, tool, start, end in zip(*(columns.get(n, none) for n in names)):
         if wid != last_id:
             workflows.append(Workflow([], task))
             last_id = wid
-        workflows[-1].agents.append(agent)
-        workflows[-1].hidden.append(hidden or [])
+        wf = workflows[-1]
+        wf.agents.append(agent)
+        wf.hidden.append(hidden or [])
+        wf.tool_time.append(tool)
+        wf.start_time.append(start)
+        wf.end_time.append(end)
     return workflows
+
+
+def training_time_source(train: Sequence[Workflow]) -> str:
+    """Where the gaps come from (models.timing.TIME_SOURCES), decided on the training split: any
+    positive tool_time, else start and end times on every call with some positive gap, else none."""
+    if any(g is not None and g > 0 for wf in train for g in wf.tool_time):
+        return "tool_time"
+    stamped = all(s is not None and e is not None for wf in train for s, e in zip(wf.start_time, wf.end_time))
+    if stamped and any(g > 0 for wf in train for g in wf.gaps("timestamps")):
+        return "timestamps"
+    return "none"
 
 
 def text_source_of(train: Sequence[Workflow], requested: str, encoder, hidden_dim: int | None = None,
@@ -95,10 +127,11 @@ def text_source_of(train: Sequence[Workflow], requested: str, encoder, hidden_di
 
 class TraceDataModule(pl.LightningDataModule):
     def __init__(self, horizon: int, seed: int, data: DictConfig | None = None, text_encoder=None, dataset=None,
-                 **knobs):
-        """`horizon`, `seed`: train.py's root knobs; `knobs`: max_path, batch_size, text_source
-        (models.config.DataModuleConfig, their defaults and ranges)."""
-        from models.config import DataModuleConfig
+                 time=None, **knobs):
+        """`horizon`, `seed`, `time` (a TimeConfig or its mapping; None: its defaults): train.py's root
+        knobs; `knobs`: max_path, batch_size, text_source (models.config.DataModuleConfig, their
+        defaults and ranges)."""
+        from models.config import DataModuleConfig, TimeConfig
 
         super().__init__()
         if data is None and dataset is None:
@@ -108,6 +141,7 @@ class TraceDataModule(pl.LightningDataModule):
         self.horizon, self.max_path, self.batch_size = config.horizon, config.max_path, config.batch_size
         self.text_source, self.text_encoder, self.seed = config.text_source, text_encoder, config.seed
         self.hidden_dim = config.hidden_dim
+        self.time = time if isinstance(time, TimeConfig) else build(time or {}, TimeConfig, "time")
         self.corpus: Corpus | None = None
         self.splits: dict[str, TensorDataset] = {}
 
@@ -135,9 +169,12 @@ class TraceDataModule(pl.LightningDataModule):
                              None if vectors is None else vectors[:len(agent_names)],
                              None if encoder is None else encoder.spec(),
                              unseen, None if vectors is None else vectors[len(agent_names):])
+        source = training_time_source(workflows["train"])
+        self.corpus.time, self.corpus.time_source = self.time, source
+        self.corpus.train_gaps = [wf.gaps(source) for wf in workflows["train"]]
         task_vectors = self.encode_tasks(workflows, text)
         path_index = {**index, **{a: len(index) + 1 + j for j, a in enumerate(unseen)}}  # past END
-        self.splits = {split: self.examples(wfs, index, path_index, text, task_vectors)
+        self.splits = {split: self.examples(wfs, index, path_index, text, task_vectors, source)
                        for split, wfs in workflows.items()}
 
     def encode_tasks(self, workflows: dict[str, list[Workflow]], text: TextSpec) -> dict[str, Tensor]:
@@ -147,12 +184,13 @@ class TraceDataModule(pl.LightningDataModule):
         return dict(zip(tasks, self.text_encoder.encode(tasks)))
 
     def examples(self, workflows: list[Workflow], index: dict[str, int], path_index: dict[str, int],
-                 text: TextSpec, task_vectors: dict[str, Tensor]) -> TensorDataset:
+                 text: TextSpec, task_vectors: dict[str, Tensor], source: str = "none") -> TensorDataset:
         """Paths name agents by path_index (unseen ones past the vocabulary), labels by index
-        (unseen ones are <unk>)."""
+        (unseen ones are <unk>), times from the gaps of `source`."""
         end, width, horizon = len(index), self.max_path, self.horizon
-        paths, n_calls, labels, texts = [], [], [], []
+        paths, n_calls, labels, texts, times = [], [], [], [], []
         for wf in workflows:
+            times.append(times_until(wf.gaps(source), horizon))
             ids = [path_index.get(a, UNK_ID) for a in wf.agents]
             targets = [index.get(a, UNK_ID) for a in wf.agents] + [end] + [IGNORE_INDEX] * horizon
             for t in range(len(ids)):
@@ -164,9 +202,10 @@ class TraceDataModule(pl.LightningDataModule):
         texts = torch.stack(texts) if texts else torch.zeros(0, text.input_size)
         if text.projection_seed is not None:  # the predictor's fixed projection (models.text), applied once
             texts = TextFeatures(text).project(texts)
+        times = torch.from_numpy(np.concatenate(times)).float() if times else torch.zeros(0, horizon)
         return TensorDataset(torch.tensor(paths, dtype=torch.long).view(-1, width),
                              torch.tensor(n_calls, dtype=torch.long), texts,
-                             torch.tensor(labels, dtype=torch.long).view(-1, horizon))
+                             torch.tensor(labels, dtype=torch.long).view(-1, horizon), times)
 
     @staticmethod
     def text_vector(wf: Workflow, t: int, text: TextSpec, task_vectors: dict[str, Tensor]) -> Tensor:

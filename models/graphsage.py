@@ -35,6 +35,18 @@ learns it by name, serving_integration/cache/predictions.py). Identity vectors o
 agents are part of the checkpoint (``identity_vectors`` with ``agent_texts``); an unseen agent is
 encoded when first met, from its name alone unless its system prompt was given
 (:meth:`GraphPathPredictor.describe_agents`).
+
+Time until the next calls (models/timing.py): a head reads the fused vector, detached so that its
+pinball loss trains only the head, and adds to the per-agent empirical log-time quantiles of the
+current agent (its last layer starts at zero: before training it predicts that table exactly),
+
+.. math::
+    z = \mathrm{sort}\bigl(\log(\tau_{agent}(a_t) + c) + \mathrm{MLP_{time}}(\mathrm{sg}[h_{cur}; h_{path}; h_{txt}])\bigr)
+    \in \mathbb{R}^{K \times Q}
+
+It is built last and without drawing from the global random stream (models.timing.fresh_rng_head),
+so the next-agent layers start, drop out and train exactly as without it. Without gaps in the
+training traces there is no head: the times are the per-agent table.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from models.base import PrefixBatch, Predictor
 from models.config import GraphSAGEConfig, RGCNConfig, hyperparameters
 from models.graph import RELATIONS, CallGraph
 from models.text import TEXT_CACHE_SIZE, TextFeatures, TextSpec, agent_identity_text
+from models.timing import TimeSpec, fresh_rng_head, time_head, timed
 
 
 class GraphPathPredictor(Predictor):
@@ -60,8 +73,8 @@ class GraphPathPredictor(Predictor):
 
     def __init__(self, agent_names, horizon: int, graph: dict, text: dict | None = None, max_path: int | None = None,
                  text_cache_size: int = TEXT_CACHE_SIZE, agent_texts: list[str] | None = None,
-                 identity_encoder: dict | None = None, **knobs):
-        super().__init__(agent_names, horizon, text, max_path, text_cache_size)
+                 identity_encoder: dict | None = None, time: dict | None = None, **knobs):
+        super().__init__(agent_names, horizon, text, max_path, text_cache_size, time)
         self.config = self.Config(**knobs)
         self.hparams = hyperparameters(self.config)
         dim, hidden, layers, identity = self.config.dim, self.config.hidden, self.config.layers, self.config.identity
@@ -94,6 +107,7 @@ class GraphPathPredictor(Predictor):
             self._descriptions: dict[str, str] = {}  # unseen agents' system prompts (describe_agents)
             self._unseen: dict[str, int] = {}  # agents outside the vocabulary met so far -> row of _unseen_vectors
             self._unseen_vectors = torch.zeros(0, spec.dim)
+        self.time_head = fresh_rng_head(lambda: time_head(3 * dim, self.time_spec, horizon))  # last: see the docstring
 
     @classmethod
     def from_corpus(cls, corpus, **knobs) -> "GraphPathPredictor":
@@ -103,7 +117,8 @@ class GraphPathPredictor(Predictor):
                              "the corpus has none (set model/text_encoder)")
         predictor = cls(corpus.agent_names, corpus.horizon, graph=corpus.graph.to_dict(), text=corpus.text.to_dict(),
                         max_path=corpus.max_path, agent_texts=corpus.agent_texts if identity else None,
-                        identity_encoder=corpus.identity_encoder if identity else None, **knobs)
+                        identity_encoder=corpus.identity_encoder if identity else None,
+                        time=TimeSpec.from_corpus(corpus).to_dict(), **knobs)
         if identity:
             with torch.no_grad():
                 vectors = torch.as_tensor(corpus.agent_vectors, dtype=torch.float32)
@@ -114,7 +129,7 @@ class GraphPathPredictor(Predictor):
 
     def init_args(self) -> dict:
         args = {"agent_names": self.agent_names, "horizon": self.horizon, "graph": self.graph.to_dict(),
-                "text": self.text_spec.to_dict(), "max_path": self.max_path, **self.hparams}
+                "text": self.text_spec.to_dict(), "max_path": self.max_path, **self.hparams, **self.time_init_args()}
         if self.identity_proj is not None:
             args.update(agent_texts=self.agent_texts, identity_encoder=self.identity_encoder)
         return args
@@ -247,7 +262,8 @@ class GraphPathPredictor(Predictor):
             t[f"{name}_nodes"] = torch.cat([t[f"{name}_nodes"], proj(states)])
         return t, batch
 
-    def forward(self, batch: PrefixBatch) -> Tensor:
+    def fused(self, batch: PrefixBatch) -> Tensor:
+        """[h_cur; h_path; h_txt] [B, 3d], what the heads read."""
         t = self.lookup_tables()
         if self.identity_proj is not None:
             t, batch = self.with_identities(t, batch)
@@ -256,7 +272,18 @@ class GraphPathPredictor(Predictor):
         h_path = self.path_attention(t, batch) if self.hparams["use_path"] else zeros
         h_txt = self.text_proj(batch.text) if self.text_proj is not None else zeros
         h_cur = h_cur if self.hparams["use_cur"] else zeros
-        return self.head(torch.cat([h_cur, h_path, h_txt], dim=-1)).view(-1, self.horizon, self.n_classes)
+        return torch.cat([h_cur, h_path, h_txt], dim=-1)
+
+    def forward(self, batch: PrefixBatch) -> Tensor:
+        return self.head(self.fused(batch)).view(-1, self.horizon, self.n_classes)
+
+    def forward_with_time(self, batch: PrefixBatch) -> tuple[Tensor, Tensor]:
+        fused = self.fused(batch)
+        logits = self.head(fused).view(-1, self.horizon, self.n_classes)
+        if self.time_head is None:
+            return logits, self.agent_log_time(batch)
+        return logits, timed(self.time_head, fused, self.agent_log_time(batch))
+
 
 
 class GraphSAGEPredictor(GraphPathPredictor):

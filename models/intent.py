@@ -16,6 +16,10 @@ reads :math:`[\\hat M_t; W_t x_{txt}]` and adds to the prior's log-probabilities
     \\mathrm{logits} = \\log P_{\\mathrm{markov}} + \\alpha \\, \\mathrm{MLP}([\\hat M_t; W_t x_{txt}])
 
 The head's last layer starts at zero, so before training the output equals the prior exactly.
+
+Time until the next calls (models/timing.py): the same way, a time head reads the detached
+features and adds to the Markov prior's log-time quantiles (zero at the start; built last, off the
+global random stream: models.timing.fresh_rng_head), so its pinball loss trains that head only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from models.base import PrefixBatch, Predictor
 from models.config import IntentResidualConfig, hyperparameters
 from models.markov import MarkovPredictor
 from models.text import TEXT_CACHE_SIZE
+from models.timing import fresh_rng_head, time_head, timed
 
 
 class IntentResidualPredictor(Predictor):
@@ -35,8 +40,9 @@ class IntentResidualPredictor(Predictor):
 
     def __init__(self, agent_names, horizon: int, prior: dict, text: dict | None = None,
                  max_path: int | None = None, text_cache_size: int = TEXT_CACHE_SIZE, **knobs):
-        """`prior`: the fitted Markov prior's init_args; `knobs`: IntentResidualConfig's (but prior)."""
-        super().__init__(agent_names, horizon, text, max_path, text_cache_size)
+        """`prior`: the fitted Markov prior's init_args (its time spec and gaps are this predictor's
+        too); `knobs`: IntentResidualConfig's (but prior)."""
+        super().__init__(agent_names, horizon, text, max_path, text_cache_size, prior.get("time"))
         self.prior = MarkovPredictor(**prior)
         if self.prior.agent_names != self.agent_names or self.prior.horizon != self.horizon:
             raise ValueError("the Markov prior's vocabulary or horizon differs from the residual's")
@@ -49,6 +55,7 @@ class IntentResidualPredictor(Predictor):
                                       nn.Linear(hidden, horizon * self.n_classes))
         nn.init.zeros_(self.residual[-1].weight)
         nn.init.zeros_(self.residual[-1].bias)
+        self.time_head = fresh_rng_head(lambda: time_head(2 * dim, self.time_spec, horizon))
 
     @classmethod
     def from_corpus(cls, corpus, **knobs) -> "IntentResidualPredictor":
@@ -74,8 +81,18 @@ class IntentResidualPredictor(Predictor):
         weights = torch.exp(-self.hparams["decay"] * age) * batch.mask
         return F.normalize((weights[..., None] * requests).sum(dim=1), dim=-1)
 
-    def forward(self, batch: PrefixBatch) -> Tensor:
+    def features(self, batch: PrefixBatch) -> Tensor:
         text = self.text_vector(batch)
-        features = torch.cat([self.intent_memory(batch, text), text], dim=-1)
-        residual = self.residual(features).view(-1, self.horizon, self.n_classes)
+        return torch.cat([self.intent_memory(batch, text), text], dim=-1)
+
+    def forward(self, batch: PrefixBatch) -> Tensor:
+        residual = self.residual(self.features(batch)).view(-1, self.horizon, self.n_classes)
         return self.prior(batch) + self.hparams["alpha"] * residual
+
+    def forward_with_time(self, batch: PrefixBatch) -> tuple[Tensor, Tensor]:
+        features = self.features(batch)
+        prior_logits, prior_time = self.prior.forward_with_time(batch)
+        logits = prior_logits + self.hparams["alpha"] * self.residual(features).view(-1, self.horizon, self.n_classes)
+        if self.time_head is None:
+            return logits, prior_time
+        return logits, timed(self.time_head, features, prior_time)

@@ -18,6 +18,12 @@ conditional on survival is
     P^{(k)} = \\frac{e_u T^{k-1} E}{e_u T^{k-1} \\mathbf{1}}
 
 precomputed for every state, so predict() is one gather.
+
+Time until the next calls (models/timing.py): the training gaps of each transition a -> b, backed
+off to those after a and then to all gaps (models.timing.GapPools); the k = 1 quantiles from a
+state are those of the mixture over the next agent b with weights P(b | u), the k >= 2 ones sum
+transition gaps along paths drawn from the chain (models.timing.markov_time_table), also one
+gather at predict time.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from models.base import PrefixBatch, Predictor
 from models.config import MarkovConfig, hyperparameters
 from models.text import TEXT_CACHE_SIZE
+from models.timing import GapPools, TimeSpec, markov_time_table
 
 BOS = -1
 
@@ -57,8 +65,11 @@ class MarkovPredictor(Predictor):
 
     def __init__(self, agent_names, horizon: int, contexts: list[list[int]] | None = None,
                  context_counts: Tensor | None = None, max_path: int | None = None,
-                 text_cache_size: int = TEXT_CACHE_SIZE, **knobs):  # order, alpha, backoff: MarkovConfig
-        super().__init__(agent_names, horizon, None, max_path, text_cache_size)  # no text signal
+                 text_cache_size: int = TEXT_CACHE_SIZE, time: dict | None = None, gaps: dict | None = None,
+                 **knobs):  # order, alpha, backoff: MarkovConfig
+        """`gaps`: the training transitions' gaps, {"previous", "following": agent ids, "seconds"}
+        (models.timing.GapPools)."""
+        super().__init__(agent_names, horizon, None, max_path, text_cache_size, time)  # no text signal
         self.config = MarkovConfig(**knobs)
         if self.config.order > self.max_path:
             raise ValueError(f"order must be in [0, max_path={self.max_path}], got {self.config.order}")
@@ -72,11 +83,15 @@ class MarkovPredictor(Predictor):
         self._state_of_history: dict[tuple[int, ...], int] = {}
         emit = self.smoothed_probs()
         self.register_buffer("table", self.k_step_table(emit, self.transition_matrix(emit)), persistent=False)
+        self.gaps = None if gaps is None else {k: torch.as_tensor(v) for k, v in gaps.items()}
+        self.register_buffer("time_table", self.fit_time_table(emit), persistent=False)
 
     @classmethod
     def from_sequences(cls, agent_names, horizon: int, sequences: Sequence[Sequence[int]],
-                       max_path: int | None = None, **knobs) -> "MarkovPredictor":
-        """Fitted from counts of `sequences` (agent ids); `knobs`: MarkovConfig's."""
+                       max_path: int | None = None, time: TimeSpec | None = None,
+                       gaps: Sequence[Sequence[float]] | None = None, **knobs) -> "MarkovPredictor":
+        """Fitted from counts of `sequences` (agent ids) and, with `time`, the `gaps` of their calls
+        (seconds, one per call); `knobs`: MarkovConfig's."""
         config = MarkovConfig(**knobs)
         end = len(agent_names)
         counts = count_contexts(sequences, config.order, end)
@@ -86,17 +101,22 @@ class MarkovPredictor(Predictor):
         for (c, a), n in counts.items():
             table[index[c], a] += n
         return cls(agent_names, horizon, contexts=[list(c) for c in contexts], context_counts=table,
-                   max_path=max_path, **hyperparameters(config))
+                   max_path=max_path, time=None if time is None else time.to_dict(),
+                   gaps=None if time is None else transition_gaps(sequences, gaps), **hyperparameters(config))
 
     @classmethod
     def from_corpus(cls, corpus, **kwargs) -> "MarkovPredictor":
         return cls.from_sequences(corpus.agent_names, corpus.horizon, corpus.train_sequences,
-                                  max_path=corpus.max_path, **kwargs)
+                                  max_path=corpus.max_path, time=TimeSpec.from_corpus(corpus),
+                                  gaps=corpus.train_gaps, **kwargs)
 
     def init_args(self) -> dict:
-        return {"agent_names": self.agent_names, "horizon": self.horizon, "order": self.order,
+        args = {"agent_names": self.agent_names, "horizon": self.horizon, "order": self.order,
                 "alpha": self.alpha, "backoff": self.backoff, "contexts": [list(c) for c in self.contexts],
-                "context_counts": self.context_counts, "max_path": self.max_path}
+                "context_counts": self.context_counts, "max_path": self.max_path, **self.time_init_args()}
+        if self.gaps is not None:
+            args["gaps"] = self.gaps
+        return args
 
     # ------------------------------------------------------------------ fitting
     def smoothed_probs(self) -> Tensor:
@@ -138,6 +158,19 @@ class MarkovPredictor(Predictor):
             reach = reach @ trans
         return torch.stack(steps, dim=1).float()
 
+    def fit_time_table(self, emit: Tensor) -> Tensor:
+        """[S, K, Q] seconds from each state (models.timing.markov_time_table); empty without gaps."""
+        spec = self.time_spec
+        if spec is None or spec.fallback or self.gaps is None:
+            return torch.zeros(0)
+        n_agents = self.end_index
+        pools = GapPools(self.gaps["previous"].numpy(), self.gaps["following"].numpy(),
+                         self.gaps["seconds"].double().numpy(), n_agents, spec.min_samples)
+        next_state = np.array([[self.longest_seen_suffix(c + (a,)) for a in range(n_agents)] for c in self.contexts],
+                              dtype=np.int64).reshape(len(self.contexts), n_agents)
+        previous = np.array([c[-1] if c and c[-1] != BOS else n_agents for c in self.contexts], dtype=np.int64)
+        return markov_time_table(emit.numpy(), next_state, previous, pools, self.horizon, spec.quantiles, spec.paths)
+
     # ------------------------------------------------------------------ prediction
     def states(self, batch: PrefixBatch) -> Tensor:
         rows, n_calls = batch.path.tolist(), batch.n_calls.tolist()
@@ -159,3 +192,22 @@ class MarkovPredictor(Predictor):
 
     def forward(self, batch: PrefixBatch) -> Tensor:
         return self.probs(batch).clamp(min=1e-12).log()
+
+    def forward_with_time(self, batch: PrefixBatch) -> tuple[Tensor, Tensor]:
+        if not len(self.time_table):  # no gaps in the training traces: the per-agent table
+            return self(batch), self.agent_log_time(batch)
+        states = self.states(batch)
+        return self.table[states].clamp(min=1e-12).log(), self.time_spec.log_time(self.time_table[states])
+
+
+def transition_gaps(sequences: Sequence[Sequence[int]], gaps: Sequence[Sequence[float]]) -> dict[str, Tensor]:
+    """Every training transition's agents and gap: call j's gap after call j-1's agent."""
+    previous, following, seconds = [], [], []
+    for seq, seq_gaps in zip(sequences, gaps):
+        if len(seq) != len(seq_gaps):
+            raise ValueError(f"a workflow has {len(seq)} calls but {len(seq_gaps)} gaps")
+        previous += list(seq[:-1])
+        following += list(seq[1:])
+        seconds += list(seq_gaps[1:])
+    return {"previous": torch.tensor(previous, dtype=torch.long), "following": torch.tensor(following, dtype=torch.long),
+            "seconds": torch.tensor(seconds, dtype=torch.float64)}

@@ -22,7 +22,7 @@ from data.atomic import atomic_file, write_json
 from models.base import Predictor
 from models.checkpoint import save_predictor
 from models.datamodule import TraceDataModule
-from models.metrics import METRIC_NAMES
+from models.metrics import METRIC_NAMES, time_metric_names
 from models.module import PredictorModule
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def build_predictor(cfg: DictConfig) -> tuple[TraceDataModule, Predictor]:
     """The data module (set up: vocabulary, call graph, examples) and an untrained predictor."""
     encoder_cfg = cfg.model.get("text_encoder")
     text_encoder = instantiate(encoder_cfg) if encoder_cfg else None
-    datamodule = instantiate(cfg.datamodule, text_encoder=text_encoder)
+    datamodule = instantiate(cfg.datamodule, text_encoder=text_encoder, time=cfg.get("time"))  # models/timing.py
     datamodule.setup()
     predictor = instantiate(cfg.model.predictor)(datamodule.corpus)
     predictor.text_features.attach(text_encoder if predictor.text_spec.source == "encoder" else None)
@@ -50,9 +50,23 @@ def instantiate_group(group: DictConfig | None) -> list:
     return [instantiate(c) for c in (group or {}).values() if isinstance(c, DictConfig) and "_target_" in c]
 
 
-def metric_keys(horizon: int) -> list[str]:
-    return [f"{split}/{name}_k{k}" for split in ("val", "test") for k in range(1, horizon + 1)
+def metric_keys(horizon: int, time_levels=()) -> list[str]:
+    """The per-step metrics, then the time metrics per step and over all steps (models.metrics)."""
+    keys = [f"{split}/{name}_k{k}" for split in ("val", "test") for k in range(1, horizon + 1)
             for name in METRIC_NAMES]
+    if time_levels:
+        names = time_metric_names(time_levels)
+        keys += [f"{split}/{name}{suffix}" for split in ("val", "test")
+                 for suffix in [f"_k{k}" for k in range(1, horizon + 1)] + [""] for name in names]
+    return keys
+
+
+def time_fields(predictor: Predictor) -> dict:
+    """What metrics.json says of the times: their source in the traces, whether every family fell
+    back to the per-agent empirical table (no gaps), the quantile levels and the log offset."""
+    spec = predictor.require_time()
+    return {"time_source": spec.source, "time_fallback": spec.fallback, "time_quantiles": list(spec.quantiles),
+            "time_offset_s": spec.offset_s}
 
 
 def clean(value):
@@ -70,7 +84,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, final_dir: str | P
     datamodule, predictor = build_predictor(cfg)
     optimizer, scheduler = cfg.model.get("optimizer"), cfg.model.get("scheduler")
     module = PredictorModule(predictor, instantiate(optimizer) if optimizer else None,
-                             instantiate(scheduler) if scheduler else None)
+                             instantiate(scheduler) if scheduler else None, time_weight=datamodule.time.loss_weight)
     loggers = instantiate_group(cfg.get("logger"))
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=instantiate_group(cfg.get("callbacks")),
                                       logger=loggers or False)
@@ -89,7 +103,9 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, final_dir: str | P
                **trainer.test(module, datamodule=datamodule, ckpt_path=best, verbose=False)[0]}
 
     exact = {**module.split_metrics.get("val", {}), **module.split_metrics.get("test", {})}
-    metrics = {key: clean(exact.get(key, results.get(key))) for key in metric_keys(predictor.horizon)}
+    keys = metric_keys(predictor.horizon, predictor.time_quantiles)
+    metrics = {key: clean(exact.get(key, results.get(key))) for key in keys}
+    metrics.update(time_fields(predictor))
     training = {"train_seconds": round(train_seconds, 3), "epochs": trainer.current_epoch if predictor.trainable else 0,
                 "n_parameters": predictor.n_parameters(), "family": predictor.family}
     checkpoint = save_predictor(predictor, run_dir / cfg.checkpoint_name, config, metrics, training)

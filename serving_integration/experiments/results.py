@@ -157,14 +157,21 @@ def dataset_page(steps: list[dict], runs: Path, record: dict) -> str:
 
 
 def predictor_page(steps: list[dict], runs: Path, record: dict) -> str:
-    from benchmarks.predictor_table import format_table
+    from benchmarks.predictor_table import format_table, format_time_table
 
     parts = ["# Predictors", back_link(),
              "Test split, per predicted step k (models/metrics.py): top1 unconditional (steps past the end count "
              "as END), top1_alive over the workflows still running; on generated data the last row is the Bayes "
-             "ceiling (docs/predictors.md)."]
+             "ceiling (docs/predictors.md).",
+             "The second table of each section is the time until each predicted call (models/timing.py: the sum of "
+             "the next k gaps, without the serving side's own queue and service time): the mean absolute error of "
+             "the predicted median's log time, log(seconds + offset), per k and over all steps, and the share of "
+             "true times strictly below and at or below each predicted quantile, over all steps (one number when "
+             "they agree; calibrated when the quantile's level lies between them: an atom of zero gaps at the "
+             "quantile separates them). Traces without gaps say 'per-agent fallback'."]
     for step in steps:
-        parts += [f"## {step['title']}", format_table([runs / "train" / step["name"]], ["top1", "top1_alive"]),
+        folder = [runs / "train" / step["name"]]
+        parts += [f"## {step['title']}", format_table(folder, ["top1", "top1_alive"]), format_time_table(folder),
                   commands([step], record)]
     return "\n\n".join(parts)
 

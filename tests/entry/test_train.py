@@ -45,12 +45,16 @@ def test_train_with_data_path_and_run_dir(dataset_dir, tmp_path):
     run_train(["model=graphsage", f"data.path={dataset_dir}", f"hydra.run.dir={run}", *TINY],
               tmp_path)
     metrics = json.loads((run / "metrics.json").read_text())
-    assert set(metrics) == set(metric_keys(3)) | {"checkpoint"}
-    assert all(isinstance(metrics[k], float) for k in metric_keys(3))
+    levels = [0.1, 0.5, 0.9]  # models.config.TimeConfig.quantiles
+    assert set(metrics) == set(metric_keys(3, levels)) | {"checkpoint", "time_source", "time_fallback",
+                                                          "time_quantiles", "time_offset_s"}
+    assert all(isinstance(metrics[k], float) for k in metric_keys(3, levels))
     assert 0.0 <= metrics["test/top1_k1"] <= 1.0 and metrics["test/top3_k1"] >= metrics["test/top1_k1"]
+    assert metrics["time_source"] == "tool_time" and metrics["time_fallback"] is False
+    assert all(0.0 <= metrics[f"test/time_below_{q}"] <= 1.0 for q in ("q10", "q50", "q90"))
     predictor = load_predictor(metrics["checkpoint"], agents=["retriever", "summarizer", "verifier"])
-    probs = predictor.predict([WorkflowPrefix(["retriever", "summarizer"], "Verify the claim. Claim: X.")])
-    assert probs.shape == (1, 3, len(predictor.agent_names) + 1)
+    probs, seconds = predictor.predict_when([WorkflowPrefix(["retriever", "summarizer"], "Verify the claim. Claim: X.")])
+    assert probs.shape == (1, 3, len(predictor.agent_names) + 1) and seconds.shape == (1, 3, len(levels))
     payload = read_checkpoint(metrics["checkpoint"])
     assert payload["config"]["model"]["name"] == "graphsage" and payload["metrics"]["test/top1_k1"] == \
         metrics["test/top1_k1"]

@@ -247,7 +247,7 @@ def test_hidden_vectors_are_used_when_the_trace_has_them():
 # ------------------------------------------------------------------ examples and metrics
 def test_examples_label_the_next_k_calls_then_end_then_mask(datamodule):
     corpus = datamodule.corpus
-    path, n_calls, text, labels = datamodule.splits["train"][:]
+    path, n_calls, text, labels, _ = datamodule.splits["train"][:]  # and the times: test_timing.py
     first = corpus.train_sequences[0]
     end = len(corpus.agent_names)
     expected = (first + [end] + [IGNORE_INDEX] * K)
@@ -402,7 +402,7 @@ def test_val_and_test_agents_outside_the_vocabulary_keep_an_identity_in_the_exam
     corpus = dm.corpus
     assert corpus.unseen_agents == ["fact_checker"] and "fact_checker" not in corpus.agent_names
     n_classes = len(corpus.agent_names) + 1
-    path, n_calls, text, labels = dm.splits["test"][:]
+    path, n_calls, text, labels, _ = dm.splits["test"][:]
     assert (path == n_classes).any() and not (labels >= n_classes).any()  # paths name it; labels say <unk>
     graph = identity_predictor("graphsage", corpus, dm.text_encoder)
     markov = MarkovPredictor.from_corpus(corpus, order=2)
