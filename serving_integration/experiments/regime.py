@@ -11,10 +11,12 @@ page). Heatmaps of the three, a table, and a paragraph written from the numbers:
 how large, where they vanish, and what the paper's 1.85x would take in this simulator.
 
 The latency ceiling of a cell is computed from LRU's own time split: no eviction or prefetch
-policy changes tool time or decode time, so with queueing and PCIe time gone and prefill cut to
-the recomputed tokens the floor leaves (prefill time taken as proportional to recomputed tokens),
-LRU's latency / (tool + decode + prefill x floor / LRU's recompute share) bounds the speed-up any
-policy reaches there.
+policy changes tool time or decode time, and under memory pressure the admission queue is the
+running requests' own KV, which no eviction order frees (the oracle's queue is LRU's there), so
+with PCIe time gone and prefill cut to the recomputed tokens the floor leaves (prefill time taken
+as proportional to recomputed tokens), LRU's latency / (tool + decode + queue + prefill x floor /
+LRU's recompute share) bounds the speed-up a policy reaches there; the same without the queue
+term is the looser bound had caching removed the queue too.
 """
 
 from __future__ import annotations
@@ -114,28 +116,29 @@ def time_part(row: dict, part: str) -> float:
     return float(v) if number(v) else 0.0
 
 
-def latency_ceiling(cell: dict, floor: float | None) -> float | None:
-    """LRU's latency over its tool + decode time plus the prefill the floor leaves (module docstring)."""
+def latency_ceiling(cell: dict, floor: float | None, queue: bool = True) -> float | None:
+    """LRU's latency over its tool + decode (+ queue) time plus the prefill the floor leaves (module
+    docstring)."""
     lru = cell["lru"]
     latency, recompute = lru["mean_workflow_latency_s"], lru.get("recompute_rate")
     if floor is None or not number(recompute) or recompute <= 0 or latency <= 0:
         return None
     prefill = time_part(lru, "prefill") * min(1.0, max(0.0, floor) / recompute)
-    rest = time_part(lru, "tool") + time_part(lru, "decode") + prefill
+    rest = time_part(lru, "tool") + time_part(lru, "decode") + (time_part(lru, "queue") if queue else 0.0) + prefill
     return latency / rest if rest > 0 else None
 
 
 def reuse_needed(cell: dict, target: float) -> float | None:
     """The reusable share at which the ceiling of the cell would reach `target` (with LRU's time split
     and recompute share as they are); None where no share can: tool and decode time alone are more
-    than 1/target of LRU's latency."""
+    than 1/target of LRU's latency (the queue kept, as in latency_ceiling)."""
     lru = cell["lru"]
     latency, recompute = lru["mean_workflow_latency_s"], lru.get("recompute_rate")
     prefill = time_part(lru, "prefill")
     if not number(recompute) or recompute <= 0 or prefill <= 0:
         return None
-    # the ceiling is latency / (tool + decode + prefill x (1 - u) / recompute): solve for u
-    left = latency / target - time_part(lru, "tool") - time_part(lru, "decode")
+    # the ceiling is latency / (tool + decode + queue + prefill x (1 - u) / recompute): solve for u
+    left = latency / target - time_part(lru, "tool") - time_part(lru, "decode") - time_part(lru, "queue")
     if left < 0:
         return None
     return max(0.0, 1 - recompute * left / prefill)
@@ -154,7 +157,9 @@ def measures(found: dict) -> dict[tuple, dict]:
             "gap": gap_closed_recompute(cell), "floor": floor, "floor_kind": floor_kind,
             "ceiling": latency_ceiling(cell, floor),
             "ceiling_unbounded": latency_ceiling(cell, 1 - share) if number(share) else None,
-            "fixed_share": (time_part(lru, "tool") + time_part(lru, "decode")) / lru["mean_workflow_latency_s"]
+            "ceiling_no_queue": latency_ceiling(cell, 1 - share if number(share) else floor, queue=False),
+            "fixed_share": (time_part(lru, "tool") + time_part(lru, "decode") + time_part(lru, "queue"))
+            / lru["mean_workflow_latency_s"]
             if lru["mean_workflow_latency_s"] > 0 else None,
             "reuse_needed": reuse_needed(cell, PAPER_SPEEDUP), "reusable_share": share,
         }
@@ -292,9 +297,18 @@ def paper_paragraph(numbers: dict[tuple, dict]) -> str:
         return " ".join(parts)
     k = max(ceilings, key=ceilings.get)
     n = numbers[k]
-    parts.append(f"With every reusable token a GPU hit, no queueing and no PCIe time, LRU's own time split "
-                 f"caps the speed-up at {ceilings[k]:.2f}x at best ({k[0]}, {where(k)}), where tool and decode "
-                 f"time are {n['fixed_share']:.0%} of LRU's latency.")
+    parts.append(f"With every reusable token a GPU hit and no PCIe time, LRU's own time split caps the "
+                 f"speed-up at {ceilings[k]:.2f}x at best ({k[0]}, {where(k)}), where tool, decode and queueing "
+                 f"time (which no eviction order shortens under pressure) are {n['fixed_share']:.0%} of LRU's "
+                 "latency.")
+    loose = {key: m["ceiling_no_queue"] for key, m in numbers.items() if number(m["ceiling_no_queue"])}
+    if loose:
+        q = max(loose, key=loose.get)
+        text = f"Had caching removed the queue too, the bound would be {loose[q]:.2f}x ({q[0]}, {where(q)})"
+        oracle, lru = numbers[q]["cell"].get("oracle"), numbers[q]["cell"]["lru"]
+        if oracle and time_part(lru, "queue") > 0:
+            text += f"; the oracle's queueing there is {time_part(oracle, 'queue') / time_part(lru, 'queue'):.0%} of LRU's"
+        parts.append(text + ".")
     if observed and max(observed.values()) > ceilings[k]:
         parts.append("A row beats that ceiling: its assumption, prefill time proportional to the recomputed tokens, "
                      "does not hold there.")
@@ -314,11 +328,11 @@ def paper_paragraph(numbers: dict[tuple, dict]) -> str:
         parts.append(f"So this simulator cannot produce {PAPER_SPEEDUP}x on these workloads. The nearest setting "
                      f"is {key[0]}, {where(key)}: there it would take a reusable share of "
                      f"{reachable[key]:.0%} (the workload has {fmt(m['reusable_share'], '{:.0%}')}) with "
-                     "every reusable token kept on the GPU; elsewhere tool and decode time leave no room.")
+                     "every reusable token kept on the GPU; elsewhere tool, decode and queueing time leave no room.")
     else:
         parts.append(f"So this simulator cannot produce {PAPER_SPEEDUP}x on these workloads, at any reusable share: "
-                     f"tool and decode time, which no cache policy shortens, are more than {1 / PAPER_SPEEDUP:.0%} "
-                     "of LRU's latency in every setting.")
+                     f"tool, decode and queueing time, which no cache policy shortens, are more than "
+                     f"{1 / PAPER_SPEEDUP:.0%} of LRU's latency in every setting.")
     return " ".join(parts)
 
 
@@ -338,7 +352,7 @@ def regime_section(rows, out: Path) -> str:
              f"latency over the policy's (pbkv under outcome trust, and pbkv, perfect and oracle with "
              f"conservative prefetch, where the runs have them); a gain is {GAIN:.2f}x or more. Gap closed on "
              f"recompute is measured against the setting's floor on recomputed tokens ({'; '.join(floors)}). The "
-             "latency ceiling is LRU's latency over its tool + decode time plus the prefill the floor leaves "
+             "latency ceiling is LRU's latency over its tool + decode + queueing time plus the prefill the floor leaves "
              "(serving_integration/experiments/regime.py).",
              "\n\n".join(workload_sentence(w, by_workload[w]) for w in sorted(by_workload)),
              paper_paragraph(numbers)]
