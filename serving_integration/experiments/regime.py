@@ -214,7 +214,8 @@ def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
                         v = numbers.get((workload, split, host, conc, frac), {}).get(field)
                         if number(v):
                             grid[a, b] = v
-                            ax.text(b, a, spec.format(v), ha="center", va="center", fontsize=6)
+                            ink = "white" if abs(float(norm(v)) - 0.5) > 0.3 else "black"  # legible on dark cells
+                            ax.text(b, a, spec.format(v), ha="center", va="center", fontsize=6, color=ink)
                 image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto", origin="lower")
                 ax.set_xticks(range(len(fracs)), [f"{f:g}" for f in fracs], fontsize=6)
                 ax.set_yticks(range(len(concs)), [str(c) for c in concs], fontsize=6)
