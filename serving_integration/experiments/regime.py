@@ -27,8 +27,45 @@ from pathlib import Path
 
 import numpy as np
 
-from serving_integration.experiments.report import (fmt, in_words, is_main, md_table, paired_ratios, per_seed,
-                                                    sort_key, split_of, tokens_text)
+
+# Table and wording helpers. report.py (which calls regime_section) has its own versions of these;
+# this module may not import it (no import cycles, tests/test_imports.py), so they are kept to what
+# the section needs until they move to a module both import.
+
+
+def fmt(x, spec="{:.2f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+
+def md_table(head: list[str], body: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(line) + " |" for line in body)])
+
+
+def tokens_text(n) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k" if n >= 1e3 else f"{n:g}"
+
+
+def host_words(ratio) -> str:
+    return "host tier n/a" if ratio is None else "no host tier" if not ratio else f"host tier {ratio:g}x GPU"
+
+
+def sort_key(values) -> tuple:
+    """None first, then numbers ascending, then names."""
+    return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
+
+
+def per_seed(r: dict, field: str) -> list[float]:
+    return list(r.get(f"{field}_per_seed") or [r[field]])
+
+
+def split_of(r: dict) -> str:
+    return r.get("split") or "test"
+
+
+def is_main(r: dict) -> bool:
+    """A plain row of the policy comparison: no noise, no pruning."""
+    return r["comparison"] == "policies" and not r.get("noise")
 
 FRACTION = "gpu_working_set_fraction"
 CELL = ("workload", "split", "hicache_ratio", "concurrency", FRACTION)
@@ -74,7 +111,8 @@ def speedup(cell: dict, role: str) -> float | None:
     row = cell.get(role)
     if row is None:
         return None
-    return float(np.mean(paired_ratios(row, cell["lru"], "mean_workflow_latency_s", higher=False)))
+    pairs = zip(per_seed(cell["lru"], "mean_workflow_latency_s"), per_seed(row, "mean_workflow_latency_s"))
+    return float(np.mean([base / mine if mine else math.nan for base, mine in pairs]))
 
 
 def recompute_floor(cell: dict) -> tuple[float | None, str]:
@@ -168,7 +206,7 @@ def measures(found: dict) -> dict[tuple, dict]:
 
 def where(key: tuple) -> str:
     at = dict(zip(CELL, key))
-    return (f"{in_words('hicache_ratio', at['hicache_ratio'])}, {at['concurrency']} live, "
+    return (f"{host_words(at['hicache_ratio'])}, {at['concurrency']} live, "
             f"{at[FRACTION]:g}x the working set")
 
 
@@ -220,7 +258,7 @@ def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
                 ax.set_xticks(range(len(fracs)), [f"{f:g}" for f in fracs], fontsize=6)
                 ax.set_yticks(range(len(concs)), [str(c) for c in concs], fontsize=6)
                 if i == 0:
-                    ax.set_title(in_words("hicache_ratio", host), fontsize=8)
+                    ax.set_title(host_words(host), fontsize=8)
                 if j == 0:
                     ax.set_ylabel(f"{workload}\nlive workflows", fontsize=7)
                 if i == len(workloads) - 1:
@@ -238,7 +276,7 @@ def table(numbers: dict[tuple, dict]) -> str:
     for key in sorted(numbers, key=sort_key):
         n, lru = numbers[key], numbers[key]["cell"]["lru"]
         at = dict(zip(CELL, key))
-        body.append([at["workload"], at["split"], in_words("hicache_ratio", at["hicache_ratio"]),
+        body.append([at["workload"], at["split"], host_words(at["hicache_ratio"]),
                      str(at["concurrency"]), f"{at[FRACTION]:g}", tokens_text(lru["gpu_tokens"]),
                      fmt(lru["hit_rate"], "{:.1%}"), fmt(lru.get("recompute_rate"), "{:.1%}"),
                      fmt(lru["mean_workflow_latency_s"]), fmt(n["pbkv"], "{:.3f}"), fmt(n["perfect"], "{:.3f}"),
@@ -268,7 +306,7 @@ def workload_sentence(workload: str, entries: dict[tuple, dict]) -> str:
         for value in sorted({k[index] for k in scored}, key=lambda v: sort_key([v])):
             top = max(scored[k]["pbkv"] for k in scored if k[index] == value)
             if top < GAIN:
-                vanish.append(in_words(name, value) if name == "hicache_ratio" else
+                vanish.append(host_words(value) if name == "hicache_ratio" else
                               f"{value:g}x the working set" if name == FRACTION else f"{value} live")
     if not gains:
         text += "; no setting reaches a gain"
