@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.atomic import atomic_dir, check_output, check_replaceable
 from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
-from data.stats import trace_stats
+from data.stats import largest_prompt_per_workflow, summary, trace_stats
 
 # the commands whose dataset folders one another may replace (with overwrite=true)
 DATASET_WRITERS = ("data.generate", "data.import_traces", "data.store")
@@ -61,6 +61,17 @@ class TraceDataset:
                 if not prompts.get(agent):
                     prompts[agent] = next((system[i] for i in prompt if i in system), "")
         return prompts
+
+    def stats(self) -> dict:
+        """meta.json's `stats` (data/stats.py trace_stats); a statistic added after the dataset was
+        written (the largest prompt of a workflow) is computed from its calls, the folder unchanged."""
+        stats = dict(self.meta.get("stats", {}))
+        if "largest_prompt_tokens_per_workflow" not in stats:
+            columns = [self.calls[name].select_columns(["workflow_id", "prompt_tokens"]).to_dict() for name in SPLITS]
+            calls = [{"workflow_id": w, "prompt_tokens": n} for c in columns
+                     for w, n in zip(c["workflow_id"], c["prompt_tokens"])]
+            stats["largest_prompt_tokens_per_workflow"] = summary(largest_prompt_per_workflow(calls))
+        return stats
 
     @property
     def workload(self) -> str:

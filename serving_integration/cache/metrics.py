@@ -69,17 +69,3 @@ def replay_metrics(*, gpu_hit_tokens: int, host_hit_tokens: int, prompt_tokens: 
         **split,
         "per_workflow": per_workflow,
     }
-
-
-def live_working_set_tokens(workflows, concurrency: int) -> float:
-    """The KV tokens the live workflows' prompts occupy with nothing evicted: min(concurrency,
-    workflows) times the mean, over the workflows, of the distinct prefix tokens one workflow's calls
-    reference (each prefix node of its prompts once, `SimCall.keys`). A GPU size is also shown as a
-    share of it (the memory plots' second axis)."""
-    if not workflows:
-        return 0.0
-    per_workflow = []
-    for wf in workflows:
-        nodes = {key: n for call in wf.calls for key, n in zip(call.keys, call.lens)}
-        per_workflow.append(sum(nodes.values()))
-    return float(min(concurrency, len(workflows)) * np.mean(per_workflow))

@@ -193,6 +193,10 @@ def settings(cfg: DictConfig) -> Settings:
     data_config(cfg.data)
     if cfg.sim.seed != SimConfig.seed:
         raise ConfigError(f"sim.seed={cfg.sim.seed}: the simulator's seed is set by seed (or seeds), not here")
+    sim = groups["sim"]
+    if sim.gpu_working_set_fraction is not None and sim.gpu_tokens != SimConfig.gpu_tokens:
+        raise ConfigError(f"sim.gpu_working_set_fraction={sim.gpu_working_set_fraction}: sim.gpu_tokens="
+                          f"{sim.gpu_tokens} is set too; give the GPU size one way")
     knobs = Settings(run=root, **groups)
     check_horizon(knobs.predictor, knobs.pbkv)
     return knobs

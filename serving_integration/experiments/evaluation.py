@@ -67,8 +67,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
 from data.atomic import temporary_sibling_dir, write_json
+from data.errors import ConfigError
 from data.knobs import build
-from serving_integration.cache.metrics import live_working_set_tokens
+from data.stats import live_working_set_tokens
 from serving_integration.cache.predictions import (AgentStepGraph, ModelSource, NoisySource, OnlineBackoff,
                                                    PerfectSource, vocabulary)
 from serving_integration.cache.workload import workflows_from_rows
@@ -218,11 +219,13 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
     `seeds` (or once with `seed`); write summary.json. The config is read here, once, into checked
     objects (experiments/config.py `settings`): what the runs need is handed down as objects."""
     knobs = knobs or settings(cfg)
+    dataset = store.resolve(cfg.data)
+    size = GpuSize.of(knobs.sim, dataset)  # once per run: every seed replays the same GPU size
 
     def replay_seed(ds, seed: int):
         replay = Replay.from_dataset(ds, knobs.run.split, knobs.sim.n_workflows, knobs.pbkv.horizon)
-        sim = sim_config(cfg.sim, replay.train, seed)
-        rows, info = evaluate_seed(replay, sim, knobs, seed)
+        sim = sim_config(cfg.sim, replay.train, seed, size.tokens)
+        rows, info = evaluate_seed(replay, sim, knobs, seed, size)
         if ds.meta.get("format") == "generated":
             # a generated workload draws new workflows per seed: its interval is the seeds', and its
             # summary.json stays small; imported traces keep them for the bootstrap over workflows
@@ -231,7 +234,7 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
         return rows, info
 
     if not knobs.run.seeds:
-        rows, info = replay_seed(store.resolve(cfg.data), knobs.run.seed)
+        rows, info = replay_seed(dataset, knobs.run.seed)
         summary = {"rows": rows, **info}
     else:
         seed_rows, info = [], {}
@@ -249,19 +252,48 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
     return summary
 
 
-def sim_config(sim: DictConfig, train_workflows, seed: int) -> SimConfig:
+@dataclass(frozen=True)
+class GpuSize:
+    """The GPU size of a run and what it is measured against: the dataset's live working set
+    (data/stats.py live_working_set_tokens, at sim.concurrency) and its reusable share."""
+
+    tokens: int
+    working_set_tokens: float
+    fraction: float | None  # sim.gpu_working_set_fraction; None: sim.gpu_tokens as given
+    reusable_share: float | None
+
+    @classmethod
+    def of(cls, sim: SimConfig, dataset) -> "GpuSize":
+        """sim.gpu_tokens, or sim.gpu_working_set_fraction x the dataset's live working set."""
+        stats = dataset.stats()
+        working_set = live_working_set_tokens(stats, sim.concurrency)
+        fraction = sim.gpu_working_set_fraction
+        tokens = sim.gpu_tokens if fraction is None else round(fraction * working_set)
+        if tokens < max(1, sim.replicas):
+            raise ConfigError(f"sim.gpu_working_set_fraction={fraction}: {tokens} GPU tokens for {sim.replicas} "
+                              f"server(s) (live working set {working_set:,.0f} tokens at sim.concurrency="
+                              f"{sim.concurrency})")
+        return cls(tokens=tokens, working_set_tokens=working_set, fraction=fraction,
+                   reusable_share=stats.get("reusable_share"))
+
+
+def sim_config(sim: DictConfig, train_workflows, seed: int, gpu_tokens: int | None = None) -> SimConfig:
     """SimConfig of one replay from the `sim` group: null end-signal settings filled in from the
-    train split's tool times (SimConfig itself would read null as "none"), seeded with `seed`."""
+    train split's tool times (SimConfig itself would read null as "none"), the GPU size resolved
+    (GpuSize: `gpu_tokens`, when given, replaces sim.gpu_tokens), seeded with `seed`."""
     options = OmegaConf.to_container(sim, resolve=True)
     tool_times = [c.tool_time for w in train_workflows for c in w.calls[1:] if c.tool_time > 0]
     if options["end_signal_delay_s"] is None:
         options["end_signal_delay_s"] = float(np.median(tool_times)) if tool_times else 0.0
     if options["inactivity_timeout_s"] is None:
         options["inactivity_timeout_s"] = 2 * max(tool_times) if tool_times and max(tool_times) > 0 else 60.0
+    if gpu_tokens is not None:
+        options["gpu_tokens"] = gpu_tokens
     return build({**options, "seed": seed}, SimConfig, "sim")
 
 
-def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int) -> tuple[list[dict], dict]:
+def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int,
+                  size: GpuSize) -> tuple[list[dict], dict]:
     """The rows of one replay under every requested policy (and the KV-pruning rows)."""
     pbkv, p, kv = knobs.pbkv, knobs.predictor, knobs.kv
     setting = Setting(sim, knobs.cost_model, workload=replay.workload, horizon=pbkv.horizon, gamma=pbkv.gamma,
@@ -292,9 +324,9 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int) ->
                                     kv_budget=None if layout == "none" else kv.budget))
     add_setting_bounds(rows)
     check_bounds(rows)  # a row above a proven bound means the proof or the code is wrong: stop here
-    working_set = live_working_set_tokens(replay.workflows, sim.concurrency)
-    for row in rows:
-        row["live_working_set_tokens"] = working_set
+    for row in rows:  # the dataset's own measures, beside each row (the memory plots' second axis, the regime page)
+        row["live_working_set_tokens"] = size.working_set_tokens
+        row["dataset_reusable_share"] = size.reusable_share
     graph = replay.step_graph
     info = {"predictor": learned[1] if learned else {},
             "kvflow_graph": {"origin": graph.origin, **graph.graph},
@@ -312,7 +344,7 @@ class Setting:
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
                        "replicas": sim.replicas, "routing": sim.routing,
                        "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss,
-                       "hicache_ratio": sim.hicache_ratio}
+                       "hicache_ratio": sim.hicache_ratio, "gpu_working_set_fraction": sim.gpu_working_set_fraction}
 
     def run(self, workflows, policy: str, prefetch: str, kwargs: dict, **fields) -> dict:
         result = simulate(workflows, self.sim, self.cost, **kwargs)

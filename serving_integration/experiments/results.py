@@ -135,20 +135,29 @@ def memory_of(meta: dict) -> str:
 
 
 def dataset_page(steps: list[dict], runs: Path, record: dict) -> str:
+    from data import store
+    from data.stats import live_working_set_tokens
+    from serving_integration.simulator.config import SimConfig
+
+    live = SimConfig.concurrency  # the simulator's default live workflows
     rows = []
     for step in steps:
         meta = json.loads((runs / "data" / step["name"] / "meta.json").read_text())
-        s = meta["stats"]
+        s = store.load(runs / "data" / step["name"]).stats()  # a statistic newer than the dataset: from its calls
         cpw, loops, ptok = s["calls_per_workflow"], s["loops_per_workflow"], s["prompt_tokens_per_call"]
+        largest = s["largest_prompt_tokens_per_workflow"]["mean"]
         rows.append(f"| {step['name']} | {s['workflows']:,} | {s['agents']} | {cpw['mean']:.2f}, {cpw['max']:.0f} | "
                     f"{loops['mean']:.2f}, {loops['max']:.0f} | {ptok['mean']:,.0f}, {ptok['p50']:,.0f}, "
-                    f"{ptok['p99']:,.0f} | {s['output_tokens_per_call']['mean']:,.0f} | {memory_of(meta)} | "
-                    f"{s['reusable_share']:.1%} |")
+                    f"{ptok['p99']:,.0f} | {s['output_tokens_per_call']['mean']:,.0f} | {largest:,.0f} | "
+                    f"{live_working_set_tokens(s, live):,.0f} | {memory_of(meta)} | {s['reusable_share']:.1%} |")
     head = ("| dataset | workflows | agents | calls/workflow (mean, max) | loops/workflow (mean, max) | "
-            "prompt tokens/call (mean, p50, p99) | output tokens/call | memory | reusable share |\n|" + "---|" * 9)
+            "prompt tokens/call (mean, p50, p99) | output tokens/call | largest prompt/workflow (mean) | "
+            f"live working set at {live} live | memory | reusable share |\n|" + "---|" * 11)
     return "\n\n".join(["# Datasets", back_link(),
                         "A loop is a call to an agent the workflow already called; the reusable share is the share "
-                        "of prompt tokens whose prefix an unbounded prefix cache would hold. Memory is what each "
+                        "of prompt tokens whose prefix an unbounded prefix cache would hold; the live working set is "
+                        "concurrency x the mean largest prompt of a workflow (data/stats.py), the unit of "
+                        "sim.gpu_working_set_fraction. Memory is what each "
                         "call's prompt resends: per agent (its agent's system prompt, the task and the transcript "
                         "so far), transcript (one system prompt for the team and the whole conversation so far, "
                         "as LangChain and AutoGen memories resend it: the same workflows with longer, shared "

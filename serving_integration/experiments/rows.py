@@ -19,6 +19,9 @@ ROW_LABELS = {
     "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
     "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
     "hicache_ratio": None,  # host KV tier = ratio x GPU tokens (0: none; None: a row that does not say)
+    # the GPU size as a fraction of the live working set (sim.gpu_working_set_fraction; None: given in tokens);
+    # gpu_tokens separates the settings, so the memory plots draw fractions on one GPU-size axis
+    "gpu_working_set_fraction": None,
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
 SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",

@@ -36,6 +36,10 @@ class SimConfig:
 
     gpu_tokens: int = knob(300_000, "GPU KV capacity in tokens, the cluster's total with replicas (Qwen3-14B on "
                            "an 80 GB H100 holds about 240k)", above(0))
+    gpu_working_set_fraction: Optional[float] = knob(
+        None, "GPU KV capacity as a fraction of the dataset's live working set (concurrency x the mean largest "
+        "prompt of a workflow, data/stats.py); evaluate.py resolves it to gpu_tokens before the replay "
+        "(null: gpu_tokens as given; set one of the two)", above(0))
     hicache_ratio: float = knob(2.0, "host KV capacity = ratio x gpu_tokens (SGLang's --hicache-ratio)", at_least(0))
     page_size: int = knob(1, "KV page size in tokens", at_least(1))
     concurrency: int = knob(32, "live workflows (closed loop), over the whole cluster", at_least(1))
