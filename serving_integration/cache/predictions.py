@@ -19,13 +19,23 @@ END = "END"  # the end of a workflow in an agent graph's successor lists
 
 
 class LiveWorkflow(Protocol):
-    """What a prediction source may read of a live workflow in the simulator."""
+    """What a prediction source may read of a live workflow in the simulator (read-only: the
+    simulator's SimWorkflow derives `agents`, `hidden` and `future_agents` from its progress)."""
 
-    id: str
-    agents: list[str]  # agents called so far, in order
-    task: str
-    hidden: list[float] | None
-    future_agents: list[str]  # the real remaining calls (only the perfect predictor reads these)
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def agents(self) -> list[str]: ...  # agents called so far, in order
+
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def hidden(self) -> list | None: ...
+
+    @property
+    def future_agents(self) -> list[str]: ...  # the real remaining calls (only the perfect predictor reads these)
 
 
 class PredictionSource(Protocol):
