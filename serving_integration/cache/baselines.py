@@ -29,7 +29,7 @@ Workflow-aware baselines (the simulator and the SGLang plugin, server/; docs/bas
 from __future__ import annotations
 
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from serving_integration.cache.config import ContinuumConfig, KvflowConfig
 from serving_integration.cache.policies import EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy, on_gpu, \
@@ -128,12 +128,12 @@ class KVFlowFork(_LedgerPolicy):
         self.hold_step, self.load_ahead_step, self.holding = hold_step, load_ahead_step, holding
         self.per_workflow = agent_key == "workflow"
         self.node_agents: dict[int, dict[str, None]] = {}
-        self.last_nodes: dict[str, dict[int, object]] = {}  # agent -> node id -> node
+        self.last_nodes: dict[str, dict[int, Any]] = {}  # agent -> node id -> node
         self.workflow_steps: dict[str, dict[str, int]] = {}  # workflow -> agent -> fork step
         self.agent_step: dict[str, int] = {}
         self.step_agents: dict[int, list[str]] = {}
         self.held: dict[int, int] = {}
-        self.pending: dict[int, tuple[object, int]] = {}  # node id -> (node, step): the round left to load
+        self.pending: dict[int, tuple[Any, int]] = {}  # node id -> (node, step): the round left to load
 
     # ---------------------------------------------------------------- the fork's order
 
@@ -238,11 +238,11 @@ class KVFlowFork(_LedgerPolicy):
 
     # ---------------------------------------------------------------- its prefetch
 
-    def _dispatch(self) -> dict[int, tuple[object, int]]:
+    def _dispatch(self) -> dict[int, tuple[Any, int]]:
         """DispatchLoadTasks, run at each step update: for steps 0 .. load_ahead_step in order, each
         agent's last nodes that are off the GPU, with the step (their hold priority once loaded is
         step + 1). One round per update: loaded in the next decode-only and idle time."""
-        out: dict[int, tuple[object, int]] = {}
+        out: dict[int, tuple[Any, int]] = {}
         for step in range(self.load_ahead_step + 1):
             for agent in self.step_agents.get(step, ()):
                 for node in self.last_nodes.get(agent, {}).values():
@@ -250,7 +250,7 @@ class KVFlowFork(_LedgerPolicy):
                         out.setdefault(node.id, (node, step))
         return out
 
-    def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[object, int]]:
+    def prefetch_order(self, by_id: dict[int, Any], idle_workflows: Iterable[str]) -> list[tuple[Any, int]]:
         """What is left of the latest update's round (a node since deleted or loaded is dropped)."""
         for node_id in [i for i, (node, _) in self.pending.items() if by_id.get(i) is not node or on_gpu(node)]:
             del self.pending[node_id]
@@ -283,7 +283,7 @@ class LRUPrefetch(_LedgerPolicy):
 
     def __init__(self, ledger: WorkflowLedger):
         super().__init__(ledger)
-        self.last_nodes: dict[str, dict[str, object]] = {}  # workflow -> agent -> its last call's last node
+        self.last_nodes: dict[str, dict[str, Any]] = {}  # workflow -> agent -> its last call's last node
         self.finished_at: dict[str, int] = {}  # workflow -> order of its last finished call
         self._calls = 0
 
@@ -306,7 +306,7 @@ class LRUPrefetch(_LedgerPolicy):
     def forget_all(self) -> None:
         self.last_nodes = {w: {} for w in self.last_nodes}
 
-    def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[object, None]]:
+    def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[Any, None]]:
         waiting = sorted((w for w in idle_workflows if w in self.last_nodes and self.ledger.is_live(w)),
                          key=self.finished_at.__getitem__)
         return [(node, None) for w in waiting for node in reversed(list(self.last_nodes[w].values()))

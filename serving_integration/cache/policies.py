@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import operator
 from functools import reduce
-from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
+from typing import Callable, ClassVar, Iterable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -254,6 +254,7 @@ class WorkflowLedger:
     def _part(rows: _WorkflowRows, r: int) -> float:
         """sum_{a in A_w(c)} v_w[a] for one row, agents in first-use order."""
         value = rows.value
+        assert value is not None, "a row's part is read only once its workflow has a prediction"
         return sum(value[c] for c in rows.agents[r] if 0 <= c < len(value) - 1)
 
     def _rescore(self, node_id: int) -> None:
@@ -384,11 +385,11 @@ def on_gpu(node) -> bool:
 
 
 class EvictionPolicy:
-    name = "base"
-    served_by = "sglang"
-    uses_predictions = False
-    reads_ledger = False  # True: its order reads the WorkflowLedger (who used a node, their predictions)
-    reads_step_graph = False  # True: an agent step graph drives it (KVFlow's; the plugin's step_graph_traces)
+    name: ClassVar[str] = "base"
+    served_by: ClassVar[str] = "sglang"
+    uses_predictions: ClassVar[bool] = False
+    reads_ledger: ClassVar[bool] = False  # True: its order reads the WorkflowLedger (who used a node, their predictions)
+    reads_step_graph: ClassVar[bool] = False  # True: an agent step graph drives it (KVFlow's; the plugin's step_graph_traces)
 
     def priority(self, node: CacheNode) -> tuple:
         raise NotImplementedError

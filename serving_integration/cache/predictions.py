@@ -19,13 +19,23 @@ END = "END"  # the end of a workflow in an agent graph's successor lists
 
 
 class LiveWorkflow(Protocol):
-    """What a prediction source may read of a live workflow in the simulator."""
+    """What a prediction source may read of a live workflow in the simulator (read-only: the
+    simulator's SimWorkflow derives `agents`, `hidden` and `future_agents` from its progress)."""
 
-    id: str
-    agents: list[str]  # agents called so far, in order
-    task: str
-    hidden: list[float] | None
-    future_agents: list[str]  # the real remaining calls (only the perfect predictor reads these)
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def agents(self) -> list[str]: ...  # agents called so far, in order
+
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def hidden(self) -> list | None: ...
+
+    @property
+    def future_agents(self) -> list[str]: ...  # the real remaining calls (only the perfect predictor reads these)
 
 
 class PredictionSource(Protocol):
@@ -212,11 +222,11 @@ def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horiz
     """[B, K, A+1]: step k is the path's k-th agent, or END once the path runs out."""
     index = {a: i for i, a in enumerate(agent_names)}
     end = len(agent_names)
-    out = torch.zeros(len(paths), horizon, end + 1)
-    for b, path in enumerate(paths):
-        for k in range(horizon):
-            out[b, k, index.get(path[k], 0) if k < len(path) else end] = 1.0
-    return out
+    hot = [[index.get(path[k], 0) if k < len(path) else end for k in range(horizon)] for path in paths]
+    out = np.zeros((len(paths), horizon, end + 1), dtype=np.float32)  # filled in numpy: no per-element tensor writes
+    if hot:
+        np.put_along_axis(out, np.array(hot, dtype=np.int64)[..., None], 1.0, axis=-1)
+    return torch.from_numpy(out)
 
 
 class OnlineBackoff:

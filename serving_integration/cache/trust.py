@@ -58,7 +58,7 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 from serving_integration.cache.config import TrustConfig
 
@@ -139,7 +139,8 @@ class ShadowEntry:
     __slots__ = ("size", "readers", "sharers", "stamp")
 
     def __init__(self, size: int):
-        self.size, self.readers, self.sharers, self.stamp = size, {}, 0, 0
+        self.size, self.sharers, self.stamp = size, 0, 0
+        self.readers: dict[str, dict[str, None]] = {}  # sampled workflow -> its agents that read the key
 
 
 class ShadowCache:
@@ -148,7 +149,7 @@ class ShadowCache:
 
     def __init__(self, name: str, capacity: float):
         self.name, self.capacity = name, capacity
-        self.held: OrderedDict = OrderedDict()  # key -> tokens charged, least recently touched first
+        self.held: OrderedDict[Hashable, float] = OrderedDict()  # key -> tokens charged, least recently touched first
         self.used = 0.0
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
@@ -189,7 +190,7 @@ class OutcomeTrust:
         self.margin, self.min_calls, self.z = options.outcome_margin, options.outcome_min_calls, options.outcome_z
         self.slack = options.outcome_slack
         self.decay = 1.0 - 1.0 / options.outcome_window
-        self.entries: dict = {}  # key -> ShadowEntry, for keys held by either shadow
+        self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
         self.clock = 0
         self.score_shadow, self.lru_shadow = ShadowCache("pbkv", 0.0), ShadowCache("pbkv_lae", 0.0)
         self.shadows = (self.score_shadow, self.lru_shadow)
@@ -270,7 +271,7 @@ class OutcomeTrust:
 
     # ---------------------------------------------------------------- the two keep orders
 
-    def _live_values(self, entry: ShadowEntry, cache: dict) -> list:
+    def _live_values(self, entry: ShadowEntry, cache: dict[str, dict | None]) -> list[tuple[dict, dict]]:
         """The value tables of the entry's readers the cache still follows, with their agents;
         retired readers are dropped. `cache`: workflow -> its table (None: retired), per pass."""
         readers = entry.readers
@@ -292,7 +293,8 @@ class OutcomeTrust:
             del readers[w]
         return tables
 
-    def _retired_first(self, shadow: ShadowCache, keep, over: float, cache: dict) -> tuple[list, float, list]:
+    def _retired_first(self, shadow: ShadowCache, keep: set, over: float,
+                       cache: dict[str, dict | None]) -> tuple[list, float, list]:
         """Both orders evict retired keys (no live reader) first, oldest first: those, until `over`
         tokens are freed; then what is still to free and the live keys seen, oldest first, with their
         value tables (all of them when the retired keys did not suffice)."""
@@ -310,7 +312,7 @@ class OutcomeTrust:
                 break
         return victims, over, active
 
-    def _evict_by_lru(self, shadow: ShadowCache, keep, over: float) -> list:
+    def _evict_by_lru(self, shadow: ShadowCache, keep: set, over: float) -> list:
         """Lifecycle-aware LRU: retired keys first, then the oldest, until `over` tokens are freed."""
         victims, over, active = self._retired_first(shadow, keep, over, {})
         for key, _ in active:
@@ -320,7 +322,7 @@ class OutcomeTrust:
             over -= shadow.held[key]
         return victims
 
-    def _evict_by_score(self, shadow: ShadowCache, keep, over: float) -> list:
+    def _evict_by_score(self, shadow: ShadowCache, keep: set, over: float) -> list:
         """PBKV's order: retired keys first (oldest first, as their scores tie), then ascending score,
         older first among equals; until `over` tokens are freed. Only when the retired keys do not
         suffice are the live ones scored."""

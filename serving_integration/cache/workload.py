@@ -72,7 +72,7 @@ class SimWorkflow:
         return [c.agent for c in self.calls[self.next_call:]]
 
     @property
-    def hidden(self):
+    def hidden(self) -> list | None:
         return self.calls[self.next_call - 1].hidden if self.next_call else None
 
 

@@ -46,6 +46,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -556,7 +557,8 @@ class Simulator:
         first = self.servers[0]
         if (first.policy.uses_predictions or first.prefetch.uses_predictions) and predictions is None:
             raise ValueError(f"policy '{policy}' with prefetch '{prefetch}' needs a prediction source")
-        self.router = make_router(config.routing, config.replicas, **dict((config.router or {}).get(config.routing) or {}))
+        routers: Any = config.router or {}  # each routing policy's options (a mapping once Hydra built it)
+        self.router = make_router(config.routing, config.replicas, **dict(routers.get(config.routing) or {}))
         if self.router.uses_predictions and predictions is None:
             raise ValueError(f"routing '{config.routing}' needs a prediction source")
         if self.router.uses_predictions:  # it scores replicas by the ledger's record of the workflow
@@ -599,7 +601,7 @@ class Simulator:
     def decisions(self) -> list | None:
         if self.servers[0].decisions is None or len(self.servers) == 1:
             return self.servers[0].decisions
-        return sorted((d for s in self.servers for d in s.decisions), key=lambda d: d[0])
+        return sorted((d for s in self.servers for d in s.decisions or ()), key=lambda d: d[0])
 
     # ------------------------------------------------------------------ workflows
 
@@ -619,6 +621,7 @@ class Simulator:
         heapq.heappush(self.arrivals, (t, next(self._seq), wf))
 
     def _refresh_future(self, wf: SimWorkflow) -> None:
+        assert self.future is not None, "only the oracle reads the real future"
         keys = self.future.keys_touched(wf)
         for server in self.servers:
             server.refresh_keys(keys)
@@ -689,6 +692,7 @@ class Simulator:
     def _finish(self, r: Request) -> None:
         """A call completed on r.server: its cache side there, then the workflow's next call or its end."""
         server, wf = r.server, r.wf
+        assert server is not None, "a finished call was admitted on a server"
         server.finish(r)
         wf.next_call += 1
         if wf.next_call < len(wf.calls):
@@ -712,8 +716,10 @@ class Simulator:
     def _wait_for_call(self, wf: SimWorkflow, now: float) -> None:
         """wf's call finished: the inactivity timeout runs from now until its next call."""
         self.idle_since[wf.id] = now
-        if self.config.inactivity_timeout_s < INF and not self.immediate_end:
-            heapq.heappush(self.retirements, (now + self.config.inactivity_timeout_s, next(self._seq), wf.id, now))
+        timeout = self.config.inactivity_timeout_s
+        assert timeout is not None, "SimConfig resolves a None timeout to inf"
+        if timeout < INF and not self.immediate_end:
+            heapq.heappush(self.retirements, (now + timeout, next(self._seq), wf.id, now))
 
     def _retire(self, wf_id: str) -> None:
         for s in self.servers:
@@ -727,8 +733,10 @@ class Simulator:
         self.finished[wf.id] = wf
         self.to_predict.append(wf)  # the cache does not know yet that this was the last call
         self._wait_for_call(wf, server.now)
+        delay = self.config.end_signal_delay_s
+        assert delay is not None, "SimConfig resolves a None delay to 0"
         if wf.id not in self.lost_signal:
-            heapq.heappush(self.retirements, (server.now + self.config.end_signal_delay_s, next(self._seq), wf.id, None))
+            heapq.heappush(self.retirements, (server.now + delay, next(self._seq), wf.id, None))
 
     def _valid(self, event) -> bool:
         _, _, wf_id, stamp = event

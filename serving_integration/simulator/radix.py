@@ -174,7 +174,7 @@ class RadixTree:
         self.by_key[node.key_id] = node
         self.by_id[node.id] = node
         parent.children[units[0]] = node
-        cur = parent
+        cur: Node | None = parent
         while cur is not None and cur.max_depth_tokens < node.depth_tokens:
             cur.max_depth_tokens = node.depth_tokens
             cur = cur.parent
@@ -183,10 +183,12 @@ class RadixTree:
     def _split(self, node: Node, at: int) -> Node:
         """Split `node` after `at` units; returns the new prefix node (the parent of `node`)."""
         parent = node.parent
+        assert parent is not None, f"{node} is not in the tree"
         prefix = Node(next(self._ids), parent, node.units[:at], node.lens[:at])
         prefix.last_access_time = self.tick()
-        for attr in ("on_gpu", "on_host", "lock_ref", "hit_count", "max_depth_tokens", "creation_time", "priority"):
-            setattr(prefix, attr, getattr(node, attr))
+        prefix.on_gpu, prefix.on_host, prefix.lock_ref = node.on_gpu, node.on_host, node.lock_ref
+        prefix.hit_count, prefix.max_depth_tokens = node.hit_count, node.max_depth_tokens
+        prefix.creation_time, prefix.priority = node.creation_time, node.priority
         prefix.depth_tokens = parent.depth_tokens + prefix.num_tokens
         prefix.key_id = node.key_id
         prefix.end_key = first_and_last_key(prefix.units, parent.end_key)[1]
@@ -210,6 +212,7 @@ class RadixTree:
         for child in list(node.children.values()):
             self._delete(child)
         parent = node.parent
+        assert parent is not None, f"{node} is not in the tree"
         del parent.children[node.units[0]]
         if node.on_gpu:
             self.gpu_used -= node.num_tokens
@@ -301,9 +304,11 @@ class RadixTree:
         node.on_gpu = on
         delta = 1 if on else -1
         self.gpu_used += delta * node.num_tokens
-        node.parent.gpu_children += delta
-        if node.parent is not self.root:
-            self.refresh(node.parent)
+        parent = node.parent
+        assert parent is not None, f"{node} is not in the tree"
+        parent.gpu_children += delta
+        if parent is not self.root:
+            self.refresh(parent)
 
     def backup(self, node: Node) -> bool:
         """Write-through: give the node a host copy if the host tier can make room."""
@@ -384,14 +389,18 @@ class RadixTree:
             node.lock_ref += 1
             if node.lock_ref == 1:
                 self.refresh(node)
-            node = node.parent
+            parent = node.parent
+            assert parent is not None, f"{node} is not in the tree"
+            node = parent
 
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.refresh(node)
-            node = node.parent
+            parent = node.parent
+            assert parent is not None, f"{node} is not in the tree"
+            node = parent
 
     # ------------------------------------------------------------------ inspection
 
@@ -420,7 +429,7 @@ def audit(tree: RadixTree) -> None:
         gpu += node.num_tokens * node.on_gpu
         host += node.num_tokens * node.on_host
         assert node.on_gpu or node.on_host, f"{node} is on neither tier"
-        assert not node.on_gpu or node.parent.on_gpu, f"{node} is on the GPU but its parent is not"
+        assert not node.on_gpu or (node.parent is not None and node.parent.on_gpu), f"{node} is on the GPU but its parent is not"
         assert node.lock_ref == 0 or node.on_gpu, f"{node} is locked but not on the GPU"
         assert node.gpu_children == sum(c.on_gpu for c in node.children.values()), f"{node} gpu_children"
         assert (node._gpu_entry >= 0) == tree.gpu_evictable(node), f"{node} GPU heap entry"
