@@ -5,9 +5,8 @@ tier, live workflows, fraction).
 Per cell: the mean workflow latency of pbkv, of pbkv fed the true future (pbkv_perfect: the ceiling
 of prediction), of the oracle and of KVFlow as a speed-up over LRU's (LRU's latency / the policy's,
 paired by seed), and pbkv's gap closed on recomputed tokens: the share of the distance from LRU's
-recompute share to the cell's floor that pbkv covers (the row's `gap_closed_recompute` where
-evaluate.py wrote one; else computed here against the best bound the cell's rows carry, said on the
-page). Heatmaps of the three, a table, and a paragraph written from the numbers: where gains exist,
+recompute share to the setting's proven bound on recomputed tokens that pbkv covers (the row's
+`gap_closed_recompute`, experiments/rows.py). Heatmaps of the three, a table, and a paragraph written from the numbers: where gains exist,
 how large, where they vanish, and what the paper's 1.85x would take in this simulator.
 
 The latency ceiling of a cell is computed from LRU's own time split: no eviction or prefetch
@@ -27,45 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from serving_integration.experiments.statistics import per_seed
+from serving_integration.experiments.tables import fmt, in_words, is_main, md_table, sort_key, split_of, tokens_text
 
-# Table and wording helpers. report.py (which calls regime_section) has its own versions of these;
-# this module may not import it (no import cycles, tests/test_imports.py), so they are kept to what
-# the section needs until they move to a module both import.
-
-
-def fmt(x, spec="{:.2f}") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
-
-
-def md_table(head: list[str], body: list[list[str]]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *("| " + " | ".join(line) + " |" for line in body)])
-
-
-def tokens_text(n) -> str:
-    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k" if n >= 1e3 else f"{n:g}"
-
-
-def host_words(ratio) -> str:
-    return "host tier n/a" if ratio is None else "no host tier" if not ratio else f"host tier {ratio:g}x GPU"
-
-
-def sort_key(values) -> tuple:
-    """None first, then numbers ascending, then names."""
-    return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
-
-
-def per_seed(r: dict, field: str) -> list[float]:
-    return list(r.get(f"{field}_per_seed") or [r[field]])
-
-
-def split_of(r: dict) -> str:
-    return r.get("split") or "test"
-
-
-def is_main(r: dict) -> bool:
-    """A plain row of the policy comparison: no noise, no pruning."""
-    return r["comparison"] == "policies" and not r.get("noise")
 
 FRACTION = "gpu_working_set_fraction"
 CELL = ("workload", "split", "hicache_ratio", "concurrency", FRACTION)
@@ -116,37 +79,16 @@ def speedup(cell: dict, role: str) -> float | None:
 
 
 def recompute_floor(cell: dict) -> tuple[float | None, str]:
-    """The lowest recompute share a policy of the cell can reach, from the best bound its rows carry:
-    a bound on recomputed tokens where evaluate.py wrote one; without a host tier (every miss is
-    recomputed) one minus the highest GPU-hit bound of the cell; else one minus the dataset's
-    reusable share (an unbounded cache). (value, which one)."""
-    group = cell["rows"]
-    direct = [r["bound_recompute_rate"] for r in group if number(r.get("bound_recompute_rate"))]
-    if direct:
-        return min(direct), "bound on recomputed tokens"
-    if not cell["lru"].get("hicache_ratio"):
-        hits = [r[f] for r in group for f in ("bound_prefetch_hit_rate", "bound_hit_rate") if number(r.get(f))]
-        if hits:
-            return 1 - max(hits), "1 - GPU-hit bound (no host tier)"
-    share = cell["lru"].get("dataset_reusable_share")
-    if number(share):
-        return 1 - share, "1 - reusable share (unbounded cache)"
-    return None, "none"
+    """The lowest recompute share any policy of the cell can reach: the setting's proven bound on
+    recomputed tokens (rows.py setting_bound_recompute_rate; simulator/bound.py). (value, which one)."""
+    bounds = [r["setting_bound_recompute_rate"] for r in cell["rows"] if number(r.get("setting_bound_recompute_rate"))]
+    return (min(bounds), "bound on recomputed tokens") if bounds else (None, "none")
 
 
 def gap_closed_recompute(cell: dict, role: str = "pbkv") -> float | None:
-    """The row's own gap_closed_recompute, else (LRU's recompute - the row's) / (LRU's - the floor)."""
+    """The row's gap_closed_recompute (rows.py: against the setting's recompute bound), mean over seeds."""
     row = cell.get(role)
-    if row is None:
-        return None
-    if number(row.get("gap_closed_recompute")):
-        return float(row["gap_closed_recompute"])
-    floor, _ = recompute_floor(cell)
-    base = float(np.mean(per_seed(cell["lru"], "recompute_rate")))
-    mine = float(np.mean(per_seed(row, "recompute_rate")))
-    if floor is None or base - floor <= 1e-9:
-        return None
-    return (base - mine) / (base - floor)
+    return float(np.mean(per_seed(row, "gap_closed_recompute"))) if row and number(row.get("gap_closed_recompute")) else None
 
 
 def time_part(row: dict, part: str) -> float:
@@ -206,7 +148,7 @@ def measures(found: dict) -> dict[tuple, dict]:
 
 def where(key: tuple) -> str:
     at = dict(zip(CELL, key))
-    return (f"{host_words(at['hicache_ratio'])}, {at['concurrency']} live, "
+    return (f"{in_words('hicache_ratio', at['hicache_ratio'])}, {at['concurrency']} live, "
             f"{at[FRACTION]:g}x the working set")
 
 
@@ -258,7 +200,7 @@ def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
                 ax.set_xticks(range(len(fracs)), [f"{f:g}" for f in fracs], fontsize=6)
                 ax.set_yticks(range(len(concs)), [str(c) for c in concs], fontsize=6)
                 if i == 0:
-                    ax.set_title(host_words(host), fontsize=8)
+                    ax.set_title(in_words("hicache_ratio", host), fontsize=8)
                 if j == 0:
                     ax.set_ylabel(f"{workload}\nlive workflows", fontsize=7)
                 if i == len(workloads) - 1:
@@ -276,7 +218,7 @@ def table(numbers: dict[tuple, dict]) -> str:
     for key in sorted(numbers, key=sort_key):
         n, lru = numbers[key], numbers[key]["cell"]["lru"]
         at = dict(zip(CELL, key))
-        body.append([at["workload"], at["split"], host_words(at["hicache_ratio"]),
+        body.append([at["workload"], at["split"], in_words("hicache_ratio", at["hicache_ratio"]),
                      str(at["concurrency"]), f"{at[FRACTION]:g}", tokens_text(lru["gpu_tokens"]),
                      fmt(lru["hit_rate"], "{:.1%}"), fmt(lru.get("recompute_rate"), "{:.1%}"),
                      fmt(lru["mean_workflow_latency_s"]), fmt(n["pbkv"], "{:.3f}"), fmt(n["perfect"], "{:.3f}"),
@@ -306,7 +248,7 @@ def workload_sentence(workload: str, entries: dict[tuple, dict]) -> str:
         for value in sorted({k[index] for k in scored}, key=lambda v: sort_key([v])):
             top = max(scored[k]["pbkv"] for k in scored if k[index] == value)
             if top < GAIN:
-                vanish.append(host_words(value) if name == "hicache_ratio" else
+                vanish.append(in_words("hicache_ratio", value) if name == "hicache_ratio" else
                               f"{value:g}x the working set" if name == FRACTION else f"{value} live")
     if not gains:
         text += "; no setting reaches a gain"

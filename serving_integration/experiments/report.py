@@ -29,6 +29,8 @@ from data.knobs import build as build_knobs, check, knob, register, shown as sho
 from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
 from serving_integration.experiments.rows import ROW_LABELS, SETTING
+from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, sort_key, split_of,
+                                                     tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
                                                      per_seed, seeds_of, shown, workflow_bootstrap)
 
@@ -50,6 +52,10 @@ PAPER = {
 }
 
 
+# what every row of every summary.json has had; newer labels take their ROW_LABELS default in older runs
+REQUIRED = ("workload", "policy", "prefetch", "gpu_tokens", "split", "hit_rate", "mean_workflow_latency_s")
+
+
 def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
     files = []
     for p in map(Path, paths):
@@ -66,9 +72,11 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{f}: not a summary.json of evaluate.py ({type(e).__name__}: {e})") from None
         for i, row in enumerate(summary_rows):
-            missing = sorted({*ROW_LABELS, "hit_rate", "mean_workflow_latency_s"} - set(row))
+            missing = sorted(set(REQUIRED) - set(row))
             if missing:
                 raise ValueError(f"{f}: row {i} lacks {', '.join(missing)} (not a summary.json of evaluate.py)")
+            # a label added to the schema after the run was written: the row did not say, so its default
+            row = {**ROW_LABELS, **row}
             # a sweep over predictor settings repeats the rows that do not depend on them
             key = json.dumps(row, sort_keys=True)
             if key not in seen:
@@ -81,58 +89,12 @@ def setting_of(r: dict) -> tuple:
     return tuple(r.get(k) for k in SETTING)
 
 
-def is_main(r: dict) -> bool:
-    """A plain row of the policy comparison: no noise, no pruning."""
-    return r["comparison"] == "policies" and not r.get("noise")
-
-
 # -------------------------------------------------------------------- tables
-
-def fmt(x, spec="{:.2f}") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
-
-
-def md_table(head: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return "\n".join(lines)
 
 
 # the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
 WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
           "cost_model", "hicache_ratio")
-
-
-def tokens_text(n) -> str:
-    """300000 -> 300k, 1500000 -> 1.5M (GPU sizes as a reader says them)."""
-    if not isinstance(n, (int, float)):
-        return str(n)
-    if n >= 1e6:
-        return f"{n / 1e6:g}M"
-    return f"{n / 1e3:g}k" if n >= 1e3 else f"{n:g}"
-
-
-SETTING_WORDS = {  # how a heading says one setting key's value
-    "gpu_tokens": lambda v: f"{tokens_text(v)} GPU tokens",
-    "concurrency": lambda v: f"{v} live workflows",
-    "horizon": lambda v: f"K={v}",
-    "gamma": lambda v: f"gamma {v}",
-    "end_signal_loss": lambda v: f"{float(v or 0):.0%} of end signals lost",
-    "replicas": lambda v: f"{v} server{'s' if v != 1 else ''}",
-    "routing": lambda v: f"{v} routing",
-    "cost_model": lambda v: f"cost model {v}",
-    "hicache_ratio": lambda v: "host tier n/a" if v is None else "no host tier" if not v else f"host tier {v:g}x GPU",
-}
-
-
-def in_words(key: str, value) -> str:
-    """One setting key and its value as a heading says it: `300k GPU tokens`, `32 live workflows`."""
-    return SETTING_WORDS.get(key, str)(value)
-
-
-def sort_key(values) -> tuple:
-    """Settings in order: by workload name, then each size ascending (None first)."""
-    return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
 
 
 def varying_keys(keys: list[tuple]) -> list[str]:
@@ -275,10 +237,6 @@ def cell(r: dict, field: str, spec: str = "{:.2f}") -> str:
 def pm(values: list[float], spec: str = "{:.2f}") -> str:
     """mean ± ci (one value: the value alone)."""
     return shown(over_seeds(values), spec)
-
-
-def split_of(r: dict) -> str:
-    return r.get("split") or "test"
 
 
 def index_rows(rows, workloads) -> dict:
