@@ -85,7 +85,6 @@ def step_commands(step: dict) -> list[str]:
 def run_steps(steps: list[dict], runs: Path) -> None:
     """Run each step's commands from the repository root, with RUNS substituted; record wall times."""
     record_file = runs / "steps.json"
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     for step in steps:
         start = time.perf_counter()
         for command in step_commands(step):
@@ -95,6 +94,8 @@ def run_steps(steps: list[dict], runs: Path) -> None:
             if status:  # its own output said why; the steps before it stay recorded
                 print(f"error: step {step['name']}: `python {command}` exited with status {status}", file=sys.stderr)
                 raise SystemExit(1)
+        # read again: another runner of the same plan (a second core) may have recorded a step since
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         record[step["name"]] = {"command": "\n".join(f"python {c}" for c in step_commands(step)),
                                 "wall_s": round(time.perf_counter() - start, 1),
                                 "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
