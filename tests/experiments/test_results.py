@@ -86,16 +86,14 @@ def test_the_headline_goes_into_the_readme_between_its_marks():
 def test_the_datasets_page_shows_what_each_datasets_prompts_resend(tmp_path):
     """A transcript-memory variant sits beside its default dataset, with its memory and its (higher)
     reusable share; imported traces are as recorded."""
+    from data import store
     from data.generators import Hover
-    from data.stats import trace_stats
 
+    real = Hover().generate(3, seed=1)
+    real.meta = {**real.meta, "format": "who_and_when"}  # an imported trace set, as the page tells them apart
     for name, traces in (("hover", Hover().generate(20, seed=0)),
-                         ("hover_transcript", Hover(memory="transcript").generate(20, seed=0))):
-        (tmp_path / "data" / name).mkdir(parents=True)
-        (tmp_path / "data" / name / "meta.json").write_text(json.dumps({**traces.meta, "stats": trace_stats(traces.calls)}))
-    (tmp_path / "data" / "real").mkdir()
-    (tmp_path / "data" / "real" / "meta.json").write_text(json.dumps(
-        {"format": "who_and_when", "stats": trace_stats(Hover().generate(3, seed=1).calls)}))
+                         ("hover_transcript", Hover(memory="transcript").generate(20, seed=0)), ("real", real)):
+        store.save(store.build(traces), tmp_path / "data" / name)
     steps = [{"name": n, "kind": "data", "command": f"-m data.generate out=RUNS/data/{n}"}
              for n in ("hover", "hover_transcript", "real")]
     rows = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")
