@@ -108,8 +108,8 @@ def test_the_regime_section_renders_from_rows(tmp_path):
     # the recompute bound 0.5: pbkv closes (0.8 - 0.6) / (0.8 - 0.5)
     assert "pbkv closes a median" in md and "| 67% |" in md
     # the ceiling: at the tight cell 10 / (1 + 3 + 6 x 0.5 / 0.8) = 1.29x; 1.85x needs 46% of LRU's latency removed
-    assert "caps the speed-up at 1.29x at best" in md and "removes 46% of LRU's mean workflow latency" in md
-    assert "cannot produce 1.85x" in md and "A row beats that ceiling" not in md
+    assert "estimated ceiling on the speed-up of 1.29x at best" in md and "removes 46% of LRU's mean workflow latency" in md
+    assert "the simulator does not produce 1.85x" in md and "not a bound: in" not in md
     # to reach 1.85x there: 10 / 1.85 - 4 = 1.405 s of prefill left of 6 s at 80% recomputed -> 81% reusable
     assert "it would take a reusable share of 81% (the workload has 50%)" in md
     for name in ("regime_pbkv_speedup.png", "regime_perfect_speedup.png", "regime_gap_recompute.png"):
