@@ -69,6 +69,8 @@ def test_a_sigint_while_the_predictor_runs_stops_the_scheduler():
         time.sleep(1)
         pytest.fail("no KeyboardInterrupt")
     try:
+        # Python's own handler, whatever the test runner inherited (a background job ignores SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         guard = GuardedPredictor(Source(interrupted), PluginStats(), None)
         with pytest.raises(KeyboardInterrupt):
             guard.predict(batch())
