@@ -322,7 +322,7 @@ def paper_paragraph(numbers: dict[tuple, dict]) -> str:
                      "every reusable token kept on the GPU; elsewhere tool, decode and queueing time leave no room.")
     else:
         parts.append(f"So by this estimate the simulator does not produce {PAPER_SPEEDUP}x on these workloads, at any reusable share: "
-                     f"tool, decode and queueing time, which no cache policy shortens, are more than "
+                     f"tool, decode and queueing time, which the estimate keeps as LRU's, are more than "
                      f"{1 / PAPER_SPEEDUP:.0%} of LRU's latency in every setting.")
     return " ".join(parts)
 
