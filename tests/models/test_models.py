@@ -33,8 +33,8 @@ def datamodule() -> TraceDataModule:
     return dm
 
 
-def build(family: str, corpus):
-    torch.manual_seed(0)
+def build(family: str, corpus, seed: int = 0):
+    torch.manual_seed(seed)
     if family == "markov":
         return MarkovPredictor.from_corpus(corpus, order=2).eval()
     if family == "intent_residual":

@@ -13,13 +13,13 @@ from data.generators import Hover
 from models import WorkflowPrefix, load_predictor, save_predictor
 from models.config import TimeConfig
 from models.datamodule import TraceDataModule
-from models.graphsage import GraphSAGEPredictor, RGCNPredictor
-from models.intent import IntentResidualPredictor
+from models.graphsage import GraphSAGEPredictor
 from models.markov import MarkovPredictor
 from models.metrics import time_metrics
 from models.module import PredictorModule
 from models.text import HashingTextEncoder
 from models.timing import GapPools, TimeSpec, agent_table, times_until
+from tests.models.test_models import build
 
 K = 3
 LEVELS = [0.1, 0.5, 0.9]
@@ -46,16 +46,6 @@ def datamodule_of(ds, **time) -> TraceDataModule:
 @pytest.fixture(scope="module")
 def datamodule() -> TraceDataModule:
     return datamodule_of(hover_dataset())
-
-
-def build(family: str, corpus, seed: int = 0):
-    torch.manual_seed(seed)
-    if family == "markov":
-        return MarkovPredictor.from_corpus(corpus, order=2).eval()
-    if family == "intent_residual":
-        return IntentResidualPredictor.from_corpus(corpus, dim=16, hidden=32).eval()
-    cls = GraphSAGEPredictor if family == "graphsage" else RGCNPredictor
-    return cls.from_corpus(corpus, dim=16, hidden=32, identity=False).eval()
 
 
 def attach(predictor, dm):
