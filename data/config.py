@@ -198,6 +198,8 @@ class TraceSource:
                                              "meta.json as hidden.model)")
     hidden_size: Optional[int] = knob(None, "every call's hidden vector has this many values (null: as many as the "
                                             "first one); recorded in meta.json as hidden.size", at_least(1))
+    n_workflows: Optional[int] = knob(None, "keep the source's first N workflows, in its own order (null: all; "
+                                            "debug runs); more than the source holds is an error", at_least(1))
 
     def __post_init__(self):
         check(self)

@@ -15,7 +15,7 @@ def import_traces(cfg) -> None:
     check_output(cfg.out, [cfg.src])  # before the work: a refusal costs nothing
     from data.store import DATASET_WRITERS
     check_replaceable(cfg.out, DATASET_WRITERS)
-    traces = read_traces(cfg.format, cfg.src, cfg.skip_bad_lines, cfg.hidden_model, cfg.hidden_size)
+    traces = read_traces(cfg.format, cfg.src, cfg.skip_bad_lines, cfg.hidden_model, cfg.hidden_size, cfg.n_workflows)
     for issue in traces.skipped:
         print(f"skipped {issue}", file=sys.stderr)
     if traces.skipped:

@@ -287,7 +287,7 @@ def _load_table(path: Path, features) -> Dataset:
 GENERATE_TARGET = "data.generators.generate"  # the `data` configs' source targets (conf/data/*.yaml)
 IMPORT_TARGET = "data.readers.read_traces"
 RECIPE_KEYS = {"generated": {"workload", "parameters", "n_workflows", "seed", "split"},
-               "imported": {"format", "src", "skip_bad_lines", "hidden_model", "hidden_size", "split"}}
+               "imported": {"format", "src", "skip_bad_lines", "hidden_model", "hidden_size", "n_workflows", "split"}}
 
 
 def plain_recipe(source: dict, split: dict) -> dict:

@@ -81,3 +81,16 @@ def test_the_shipped_files_are_the_published_ones():
     assert len(sums) == 184
     for name, digest in sums.items():
         assert hashlib.sha256(read_bytes(WHO_AND_WHEN / name)).hexdigest() == digest, name
+
+
+def test_n_workflows_keeps_the_first_runs_and_only_their_segments(traces):
+    from data.readers import first_workflows, read_traces
+
+    kept = first_workflows(traces, 60, "who_and_when")
+    order = list(dict.fromkeys(c["workflow_id"] for c in traces.calls))
+    assert kept.n_workflows == 60 and list(dict.fromkeys(c["workflow_id"] for c in kept.calls)) == order[:60]
+    assert kept.calls == [c for c in traces.calls if c["workflow_id"] in set(order[:60])]  # whole runs, in order
+    read = {seg for c in kept.calls for seg in c["prompt_ids"]}
+    assert set(kept.segments) == read < set(traces.segments)
+    with pytest.raises(ValueError, match="n_workflows=185, but the source holds 184 workflows"):
+        read_traces("who_and_when", str(WHO_AND_WHEN), n_workflows=185)

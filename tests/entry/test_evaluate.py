@@ -82,6 +82,29 @@ def test_sglangs_strategies_and_the_other_baselines_under_program_fcfs(tmp_path,
         assert r["hit_rate"] <= r["setting_bound_hit_rate"] <= 1
 
 
+SHIPPED_DATA = sorted(p.stem for p in (REPO / "conf" / "data").glob("*.yaml") if p.stem != "collected")  # none ship
+
+
+def test_every_registered_policy_runs_on_every_shipped_workload(tmp_path, cache):
+    """The whole policy registry on each dataset the repository ships (generated, transcript variants,
+    Who&When and tau-bench), one multirun at debug sizes: a row per policy, within the bounds."""
+    from serving_integration.cache.policies import POLICIES
+
+    done = subprocess.run([sys.executable, "evaluate.py", "-m", f"data={','.join(SHIPPED_DATA)}",
+                           f"policies=[{','.join(POLICIES)}]", "prefetch=[none]", "debug=evaluate",
+                           f"hydra.sweep.dir={tmp_path}", f"data.cache_dir={cache}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/summary.json"))]
+    assert sorted(s["config"]["data"]["name"] for s in summaries) == SHIPPED_DATA
+    for summary in summaries:
+        rows = summary["rows"]
+        assert {r["policy"] for r in rows} == set(POLICIES), rows[0]["workload"]
+        for r in rows:
+            assert r["gpu_hit_tokens"] + r["host_hit_tokens"] + r["miss_tokens"] == r["prompt_tokens"] > 0
+            assert r["hit_rate"] <= r["setting_bound_hit_rate"] <= 1
+
+
 def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
     summary, _ = evaluate(tmp_path / "seeds", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
                           "sim.end_signal_loss=0.5", cache=cache)

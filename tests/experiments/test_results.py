@@ -70,6 +70,39 @@ def test_a_server_step_inlines_its_report(tmp_path):
     assert detail.index("python -m benchmarks.predictor_table") < detail.index("lru | 16.0%")  # the command comes before its numbers
 
 
+def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
+    """Runs are not committed: a page rendered from runs another machine had is kept (and says so),
+    its plot and its server table stay on the index; a step that never ran reads "Not run yet"."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"steps": [
+        {"name": "check", "kind": "server", "title": "Real against simulated", "command": "-m benchmarks.predictor_table"},
+        {"name": "swept", "kind": "evaluate", "title": "A sweep", "command": "evaluate.py hydra.run.dir=RUNS/evaluate/swept"},
+        {"name": "never", "kind": "evaluate", "title": "Never run", "command": "evaluate.py hydra.run.dir=RUNS/evaluate/never"}]}))
+    runs, out = tmp_path / "runs", tmp_path / "docs" / "results.md"
+    (runs / "server" / "check").mkdir(parents=True)
+    (runs / "server" / "check" / "report.md").write_text("policy | hit real / sim\n--- | ---\nlru | 16.0% / 14.7%\n")
+    (runs / "steps.json").write_text(json.dumps({"check": {"command": "python -m benchmarks.predictor_table",
+                                                           "wall_s": 3.0, "finished": "2026-11-30 10:00 UTC"}}))
+    pages = out.parent / "results"
+    pages.mkdir(parents=True)
+    (pages / "swept.md").write_text("# A sweep\n\n[Back](../results.md)\n\nMade by:\n\n    python evaluate.py    "
+                                    "# 12.0 s, 2026-11-30 10:00 UTC\n\n![hit rate](swept/hit_rate.png)\n")
+    (pages / "never.md").write_text("# Never run\n\n[Back](../results.md)\n\nNot run yet.\n\n    python evaluate.py    "
+                                    "# ? s, not run\n")
+    argv = [f"plan={plan}", f"runs={runs}", f"out={out}", "render_only=true"]
+    assert results.main(argv) == 0
+    (runs / "server" / "check" / "report.md").unlink()  # another machine: the server's run is gone too
+    (runs / "steps.json").write_text("{}")
+    for _ in range(2):  # marked once, however often it is kept
+        assert results.main(argv) == 0
+        swept, check, index = ((pages / "swept.md").read_text(), (pages / "check.md").read_text(), out.read_text())
+        assert swept.count(results.KEPT) == 1 and "# 12.0 s, 2026-11-30" in swept
+        assert check.count(results.KEPT) == 1 and "lru | 16.0% / 14.7%" in check
+        assert "![hit rate](results/swept/hit_rate.png)" in index and "lru | 16.0% / 14.7%" in index
+        assert "Kept as last rendered, their runs not in that folder: check, swept" in index
+        assert "Not run yet." in (pages / "never.md").read_text() and results.KEPT not in (pages / "never.md").read_text()
+
+
 def test_a_bad_setting_is_exit_2(tmp_path, capsys):
     assert results.main(["only=[nowhere]", f"runs={tmp_path}", f"out={tmp_path / 'r.md'}"]) == 2
     assert "only=[nowhere]: nowhere is not a step of" in capsys.readouterr().err
