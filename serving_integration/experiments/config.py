@@ -84,6 +84,9 @@ class EvaluateConfig:
     prefetch: list = knob(None, "prefetch modes of pbkv, pbkv_perfect and oracle (PBKV as the paper runs it: "
                           "conservative)", nonempty, each(one_of(PREFETCH_MODES)), unique,
                           factory=lambda: ["none", "conservative"])
+    headroom: bool = knob(False, "attribute each row's eviction-bound headroom (rows without prefetch): by reuse "
+                                 "distance in time, by what the reading workflow was doing, by how many workflows "
+                                 "keep cache (serving_integration/simulator/headroom.py)")
     per_workload: dict = knob(None, "values other settings look up by data.name, e.g. "
                               "${per_workload.gpu_tokens.${data.name}} (experiment=robust)", factory=dict)
 

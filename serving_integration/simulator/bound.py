@@ -181,8 +181,9 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
     return budgets
 
 
-def intervals(events: Iterable[Event], capacity: int):
-    """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) in each gap)."""
+def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = None):
+    """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) in each gap);
+    `keys_out`, when given, receives each interval's key, in the intervals' order."""
     events = list(events)
     size: dict = {}
     for _, _, keys, lens, out, out_tokens in events:
@@ -211,6 +212,8 @@ def intervals(events: Iterable[Event], capacity: int):
                         ends.append(e - 1)
                         sizes.append(size[k])
                         weights.append(t)
+                        if keys_out is not None:
+                            keys_out.append(k)
             for k in keys:
                 held = running.get(k, 0)
                 if not held:
@@ -283,6 +286,17 @@ def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0,
                     else finish(any_tier.hit_tokens - free, "any_tier", 0, 0, since))
     prefetch = _at_least(prefetch, eviction)
     return Bounds(eviction, prefetch, _at_least(any_tier, prefetch))
+
+
+def eviction_solution(events: Iterable[Event], capacity: int, max_lp_intervals: int = 300_000):
+    """The eviction LP's intervals and its optimal x (point 4), for analyses of where its hits come
+    from (headroom.py): (free tokens, starts, ends, sizes, weights, keys, x); x is None above
+    `max_lp_intervals` or if HiGHS fails."""
+    keys: list = []
+    free, a, b, s, w, caps = intervals(events, capacity, keys)
+    solved = _eviction_lp(a, b, s, w, caps) if 0 < len(a) <= max_lp_intervals else None
+    x = solved[3] if solved is not None else (np.zeros(0) if len(a) == 0 else None)
+    return free, a, b, s, w, keys, x
 
 
 def _at_least(bound: Bound, lower: Bound) -> Bound:

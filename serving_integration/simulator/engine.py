@@ -57,6 +57,7 @@ from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, ma
 from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
 from serving_integration.cache.trust import trust_summary
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.simulator.headroom import headroom_fields
 from serving_integration.simulator.bound import prefetch_budgets, row_bounds, sequence_from_trace, upper_bounds
 from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
@@ -82,6 +83,8 @@ class Request:
     ttft: float = math.nan
     scheduled: float = 0.0  # when the call was issued (previous call's finish + tool time)
     admitted: float = math.nan
+    finished: float = math.nan
+    gpu_units: int = 0  # prompt units matched on the GPU at admission (hits before page rounding)
     clocks: tuple = ()  # the simulator's time-split clocks at admission
     server: "Server | None" = None
 
@@ -329,6 +332,7 @@ class Server:
         r.last_node = path[-1] if path else None
         page = self.config.page_size
         r.gpu_hit = gpu_hit // page * page  # only whole pages are reused
+        r.gpu_units = on_gpu
         r.host_hit = (gpu_hit + host_hit) // page * page - r.gpu_hit
         r.miss = call.prompt_tokens - r.gpu_hit - r.host_hit
         r.host_load = r.host_hit
@@ -427,6 +431,7 @@ class Server:
         tree.refresh_many(path)
         self.policy.observe_insert(wf.id, call.agent, keys, lens)
         self.ever_cached.update(keys)
+        r.finished = self.now
         self.trace.append(r)
         c = self.counters
         c.time_tool_s += call.tool_time
@@ -800,9 +805,10 @@ def bound_metrics(sim: Simulator) -> dict:
 
 
 def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
-             **policy) -> dict:
+             headroom: bool = False, **policy) -> dict:
     """Replay the workflows under one policy; the summary metrics, with the run's bounds
-    (`bound_hit_rate`, `bound_prefetch_hit_rate`, `bound_recompute_rate`: bound.py) unless bound=False."""
+    (`bound_hit_rate`, `bound_prefetch_hit_rate`, `bound_recompute_rate`: bound.py) unless bound=False,
+    and where the eviction bound's extra hits lie (headroom.py) if `headroom` and the run has no prefetch."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
@@ -812,4 +818,6 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
                   migrations=sim.router.migrations)
     # pbkv's trust (one judge per replica): what it measured and followed
     result.update(trust_summary([r for r in (s.policy.trust_report() for s in sim.servers) if r is not None]))
+    if headroom and policy.get("prefetch", "none") == "none":
+        result.update(headroom_fields(sim.servers))
     return {**result, **bound_metrics(sim)} if bound else result

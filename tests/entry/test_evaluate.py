@@ -105,6 +105,22 @@ def test_every_registered_policy_runs_on_every_shipped_workload(tmp_path, cache)
             assert r["hit_rate"] <= r["setting_bound_hit_rate"] <= 1
 
 
+def test_headroom_rows_split_the_bounds_extra_hits(tmp_path, cache):
+    """headroom=true: rows without prefetch carry the attribution (simulator/headroom.py), each split
+    adding up to the bound's extra hits; prefetch rows do not (their hits are not what they kept)."""
+    summary, _ = evaluate(tmp_path / "headroom", "headroom=true", "policies=[lru,pbkv_perfect]",
+                          "prefetch=[none,conservative]", cache=cache)
+    by = {(r["policy"], r["prefetch"]): r for r in summary["rows"]}
+    assert "headroom_bound_hit_rate" not in by["pbkv_perfect", "conservative"]
+    for key in (("lru", "none"), ("pbkv_perfect", "none")):
+        r = by[key]
+        delta = r["headroom_bound_hit_rate"] - r["headroom_run_hit_rate"]
+        assert delta >= -1e-9 and r["headroom_run_hit_rate"] <= r["hit_rate"]
+        assert sum(v for k, v in r.items() if k.startswith("headroom_reuse_")) == pytest.approx(delta, abs=1e-9)
+        assert sum(v for k, v in r.items() if k.startswith("headroom_phase_")) == pytest.approx(delta, abs=1e-9)
+    assert by["lru", "none"]["headroom_bound_hit_rate"] - by["lru", "none"]["headroom_run_hit_rate"] > 0.01
+
+
 def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
     summary, _ = evaluate(tmp_path / "seeds", "policies=[lru,pbkv_lae]", "seeds=[0,1,2]",
                           "sim.end_signal_loss=0.5", cache=cache)
