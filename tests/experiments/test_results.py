@@ -136,3 +136,32 @@ def test_the_datasets_page_shows_what_each_datasets_prompts_resend(tmp_path):
     assert rows["real"][-2] == "as recorded"
     share = {n: float(rows[n][-1].rstrip("%")) for n in ("hover", "hover_transcript")}
     assert share["hover_transcript"] > share["hover"] + 30
+
+
+def test_a_plan_step_that_sweeps_on_its_command_line_says_multirun():
+    """Hydra parses `key=a,b` as a sweep only with -m (an experiment's `hydra.mode: MULTIRUN` comes
+    too late for the parser: "Ambiguous value", and the step does not run). Checked on every step of
+    the shipped plan."""
+    import re
+    import shlex
+
+    from data import REPO
+
+    def sweeps(value: str) -> bool:  # a comma outside brackets and quotes
+        depth = 0
+        for ch in re.sub(r"'[^']*'|\"[^\"]*\"", "", value):
+            if ch in "[{(":
+                depth += 1
+            elif ch in "]})":
+                depth -= 1
+            if ch == "," and depth == 0:
+                return True
+        return False
+
+    for step in results.load_plan(REPO / "conf" / "results.yaml"):
+        for command in results.step_commands(step):
+            words = shlex.split(command)
+            if words[0] not in ("evaluate.py", "train.py"):
+                continue
+            swept = [w for w in words if "=" in w and sweeps(w.split("=", 1)[1])]
+            assert not swept or {"-m", "--multirun"} & set(words), (step["name"], swept)
