@@ -433,7 +433,8 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
                 pages[step["name"]] = "\n\n".join([f"# {step['title']}", back_link(), "Not run yet.",
                                                    commands([step], record)])
             continue
-        all_rows += rows
+        if step.get("headline", True):  # headline: false keeps a diagnostic step's rows out of the claims
+            all_rows += rows
     for step in by_kind["server"]:
         try:
             body = server_report(step, runs)
