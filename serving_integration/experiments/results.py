@@ -405,15 +405,21 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
     previous_index = out.read_text() if out.is_file() else ""
     pages, plots, all_rows, kept = {}, {}, [], set()
 
+    def keep(name: str) -> str | None:
+        """The page of `name`, whose runs are missing here, as last rendered (None: none to keep)."""
+        page = kept_page(pages_dir, name)
+        if page is not None:
+            kept.add(name)
+        return page
+
     def keep_or(name: str, fresh):
         """`fresh()`'s page, or the kept one when the step's runs are missing here."""
         try:
             return fresh()
         except FileNotFoundError:
-            page = kept_page(pages_dir, name)
+            page = keep(name)
             if page is None:
                 raise
-            kept.add(name)
             return page
 
     if by_kind["data"]:
@@ -424,9 +430,8 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
         try:
             pages[step["name"]], plots[step["name"]], rows = evaluate_page(step, runs, record, pages_dir)
         except FileNotFoundError:  # a step of the plan not run here: kept, or the index says it never ran
-            page = kept_page(pages_dir, step["name"])
+            page = keep(step["name"])
             if page is not None:
-                kept.add(step["name"])
                 pages[step["name"]] = page
                 plots[step["name"]] = next((line for line in page.splitlines() if line.startswith("![")), None)
             else:
@@ -439,20 +444,16 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
         try:
             body = server_report(step, runs)
         except FileNotFoundError:
-            page = kept_page(pages_dir, step["name"])
+            page = keep(step["name"])
             if page is not None:
-                kept.add(step["name"])
                 pages[step["name"]] = page
                 continue
             body = "Not run yet."
         pages[step["name"]] = "\n\n".join([f"# {step['title']}", back_link(), step.get("about", ""),
                                            commands([step], record), body])
     if by_kind["bench"]:
-        pages["benchmarks"] = bench_page(by_kind["bench"], runs, record)
-        previous = kept_page(pages_dir, "benchmarks")
-        if previous is not None and all(bench_result(step, runs) is None for step in by_kind["bench"]):
-            pages["benchmarks"] = previous
-            kept.add("benchmarks")
+        none_here = all(bench_result(step, runs) is None for step in by_kind["bench"])
+        pages["benchmarks"] = (none_here and keep("benchmarks")) or bench_page(by_kind["bench"], runs, record)
     for stale in pages_dir.glob("*.md"):  # a detail page of a step no longer in the plan
         if stale.stem not in pages:
             stale.unlink()
