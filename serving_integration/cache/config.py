@@ -36,7 +36,7 @@ def trust_modes(value) -> str | None:
 @dataclass(frozen=True)
 class TrustConfig:
     """When PBKV follows its score and when lifecycle-aware LRU (cache/trust.py). outcome: the order
-    that would have had more GPU hits on two shadow caches over a seeded sample of the workflows,
+    that would have had more GPU hits on two shadow caches (metadata only) that follow the server's calls,
     with a margin; accuracy: the score while the moving average of the probability the predictions
     gave the agent that came next stays above threshold - margin, again above threshold + margin."""
 
@@ -48,14 +48,17 @@ class TrustConfig:
     trust_margin: float = knob(0.1, "accuracy's hysteresis: distrust below threshold - margin, trust again above "
                                "threshold + margin", probability)
     trust_window: int = knob(32, "accuracy: calls the moving average spans", at_least(1))
-    outcome_sample: float = knob(0.25, "outcome: share R of the workflows the shadow caches follow (seeded hash "
-                                 "of the workflow id); they hold R x the GPU tokens", above(0), at_most(1))
+    outcome_sample: float = knob(1.0, "outcome: share R of the workflows the shadow caches follow (seeded hash "
+                                 "of the workflow id); they hold R x the tokens the cache may hold. 1: full-size "
+                                 "shadows, exact; below 1 the miniature shadows can misjudge a replay of a few "
+                                 "hundred workflows (docs/serving.md)", above(0), at_most(1))
     outcome_window: int = knob(128, "outcome: sampled calls the compared hit rates span (moving average)",
                                at_least(1))
     outcome_min_calls: int = knob(16, "outcome: sampled calls seen before the first decision (until then the "
                                   "score is followed)", at_least(1))
-    outcome_z: float = knob(2.0, "outcome: the hit-rate difference must pass the margin by this many of its "
-                            "standard errors (over the window's sampled calls) before the order flips", at_least(0))
+    outcome_z: float = knob(0.0, "outcome: the hit-rate difference must pass the margin by this many of its "
+                            "standard errors (over the window's sampled calls) before the order flips (0, "
+                            "chosen on validation: a late flip costs more than a wrong one)", at_least(0))
     outcome_margin: float = knob(0.005, "outcome's hysteresis: fall back once lifecycle-aware LRU's shadow hit "
                                  "rate beats the score's by more than this (and outcome_z standard errors), "
                                  "return once the score's beats it so", probability)

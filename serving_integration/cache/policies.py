@@ -34,8 +34,8 @@ Robustness (trust, cache/trust.py). Learning-augmented caching follows predictio
 earn it, and falls back to a robust order otherwise (Lykouris and Vassilvitskii, ICML 2018; Wei,
 APPROX 2020; Rohatgi, SODA 2020); ARC (Megiddo and Modha, FAST 2003) and LeCaR (Vietri et al.,
 HotStorage 2018) adapt the same way, online, from what the running workload shows. Under
-trust="outcome" the evidence is the GPU hits each order would have had on shadow caches over a
-sample of the workflows; under "accuracy", the probability the workflow's last prediction gave
+trust="outcome" the evidence is the GPU hits each order would have had on shadow caches that
+follow the server's calls; under "accuracy", the probability the workflow's last prediction gave
 the agent that came next. Either switches, with hysteresis, between the prediction score and
 lifecycle-aware LRU. A switch changes every node's priority at once, so the simulator's tree
 re-heapifies its evictable nodes (O(n), only at a switch; between switches an eviction stays
@@ -140,6 +140,8 @@ class WorkflowLedger:
         # shared node id -> workflow -> its part of the node's score, in the order of `users`
         self._parts: dict[int, dict[str, float]] = {}
         self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
+        # told the workflow whenever its v_w changes or it retires (PBKV's outcome judge)
+        self.listeners: list[Callable[[str], None]] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -201,6 +203,9 @@ class WorkflowLedger:
 
     def end(self, workflow: str) -> list[int]:
         """Retire a workflow; returns the nodes it used (their priorities changed)."""
+        if workflow in self.nodes_of:
+            for listener in self.listeners:
+                listener(workflow)
         nodes = list(self.nodes_of.pop(workflow, {}))
         self._rows.pop(workflow, None)
         for node_id in nodes:
@@ -319,6 +324,8 @@ class WorkflowLedger:
             if w not in self.nodes_of:
                 continue
             self.reuse_value[w] = dict(zip(agent_names, values[i]))
+            for listener in self.listeners:
+                listener(w)
             self.next_value[w] = dict(zip(agent_names, nexts[i]))  # s^(1) = 1
             if w_steps is None:
                 w_steps = {}
@@ -412,7 +419,8 @@ class EvictionPolicy:
         in prefix order, as observe_call's)."""
 
     def set_capacity(self, gpu_tokens: int) -> None:
-        """The GPU tokens of the cache the policy orders (PBKV's outcome shadows scale it)."""
+        """The tokens the cache may hold now: its GPU tokens less what running requests hold outside
+        it, told before each admitted call and each insert (PBKV's outcome shadows follow it)."""
 
     def trust_report(self) -> dict | None:
         """What a trust judge decided and measured (PBKV), else None."""
@@ -523,6 +531,8 @@ class PBKV(_LedgerPolicy):
             raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{options.trust}'")
         self.trust = options.trust
         self.judge = make_trust(options, ledger, self._values)
+        if hasattr(self.judge, "revise"):
+            ledger.listeners.append(self.judge.revise)
 
     def _values(self, workflow: str) -> dict | None:
         """v_w (agent -> value), the workflow's folded predictions that Score sums, or None once it

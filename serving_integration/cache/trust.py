@@ -16,38 +16,41 @@ more than a right one gains. A policy that is safe to deploy decides by what it 
 
 Shadow caches (set dueling, Qureshi et al., ISCA 2007: a few leader sets run each policy and the
 followers take the winner; ARC's ghost lists, Megiddo and Modha, FAST 2003: metadata only, no
-data; sampled as SHARDS samples keys for miss-ratio curves, Waldspurger et al., FAST 2015). Two
-miniature caches hold metadata only (content keys, token counts, each one's own keep order, no
+data). Two caches hold metadata only (content keys, token counts, each one's own keep order, no
 KV): one ordered as PBKV's score (retired first, then ascending lookahead score, LRU ties), one as
-lifecycle-aware LRU (retired first, then LRU). Both see the same accesses: every call of a sampled
-workflow, its prompt's content keys in prefix order (each is a hit in a shadow when it and every
-key before it is held there; then all are held) and, once the call finishes, its output's keys.
-Each shadow evicts by its own order down to its capacity, and counts the prompt tokens it hit.
-Neither shadow depends on which order the real cache follows, so neither is fed back its own
-choices. The decision compares the two hit rates over a moving window of sampled calls and flips,
-with a margin, to the one that wins.
+lifecycle-aware LRU (retired first, then LRU). Both follow the real cache's life of each call of a
+followed workflow. Admitted (`observe_call`): each shadow counts the tokens of its longest held
+prefix of the prompt's content keys as hits (a key is a hit when it and every key before it is
+held), and the prompt's keys are locked while the call runs, as its path is in the real tree.
+Finished (`observe_insert`): its prompt and output are held, touched and unlocked, as the real
+cache inserts them. Each shadow holds at most R x the tokens the cache may hold now (the GPU tokens
+less what running requests hold outside the tree, `set_capacity`, told before every admission and
+insert) and evicts by its own order. Neither depends on which order the real cache follows, so
+neither is fed back its own choices. The decision compares the two hit rates over a moving window
+of admitted calls and flips, with a margin, to the one that wins.
 
-The sample, and why it is unbiased with prefix sharing. A workflow is sampled when a seeded hash of
-its id falls below `outcome_sample` (stable: the same workflows in every run and process, drawn
-independently of what they access). Sampling whole workflows rather than keys keeps every sampled
-prompt's prefix chain whole, so a shadow hit needs the prefix to be held, as in a radix tree
-(sampling keys would sample a child without its parent). The shadows hold a share R =
-`outcome_sample` of the GPU capacity. Hits: every access of a sampled workflow is counted,
-shared key or not, so a shared prefix read by n workflows is counted for each of the about R n
-sampled ones that read it, like private keys: both shadows' hit counts are R times the full
-trace's in expectation, and so is their difference, which is all the decision reads. Footprint:
-a private key is in the sample with probability R and charged its size s (expected footprint R s,
-the scaled cache's share); a key held once for all its readers would be charged s if held at all,
-i.e. about 1/R times too much for a prefix that many workflows share. A key read by two or more
-sampled workflows is therefore charged R s, its scaled share, exactly for prefixes shared widely
-(a system prompt, a task's context); a key shared by few workflows (2 to about 1/R) is over- or
-under-charged by less than a factor 1/R. Either way both shadows charge the same key the same,
-so the residual bias changes the capacity both compete for, not which order it favours.
+Why admission, locks and running memory matter: a shadow that held a prompt on arrival, let other
+running calls' keys go (they came back free when those calls finished) and held the full GPU size
+judged a different cache. On hover under adversarial predictions it put the score order 7.7 points
+ahead of lifecycle-aware LRU where the real cache put it 2.6 behind (docs/serving.md).
 
-Cost: a sampled call touches its keys in both shadows (dict and ordered-dict operations) and, when
-a shadow is over its capacity, ranks what that shadow holds once (O(n) scores and a heap) and
-evicts down to (1 - `outcome_slack`) x its capacity, so that the next inserts need no ranking;
-unsampled calls cost one hash of the workflow id.
+The sample. A workflow is followed when a seeded hash of its id falls below R = `outcome_sample`
+(stable: the same workflows in every run and process). Sampling whole workflows rather than keys
+keeps every followed prompt's prefix chain whole. A key read by two or more sampled workflows is
+charged R x its tokens, its share of a key the real cache holds once for all its readers; both
+shadows charge the same key the same. R = 1 (the default) follows every workflow: the shadows are
+full size and nothing is estimated. Below 1 the hit counts are R times the trace's in expectation,
+but a miniature cache over a few live workflows does not evict as the full one does; on replays
+of a few hundred workflows it misjudged the order (docs/serving.md), so sampling is for servers
+with many live workflows.
+
+Cost: incremental, O(log n) per key touched. The score shadow's order is a heap with lazy
+deletion (every change of a key's rank pushes a new item; stale and locked items are dropped when
+popped, a locked key is pushed again when unlocked), the LRU shadow's an ordered dict of live keys
+(touches come in stamp order) with a heap for retired ones. A new prediction or a retirement
+changes the ranks of one workflow's keys only: the ledger tells `revise(workflow)` and the next
+eviction pass rescores those keys. A full shadow evicts down to (1 - `outcome_slack`) x its
+capacity. Unsampled calls cost one hash of the workflow id.
 A flip changes every node's priority at once: `observe_call` returns True and the simulator
 re-heapifies (RadixTree.reprioritize), as the accuracy meter's flips do.
 """
@@ -57,7 +60,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections import OrderedDict
 from typing import Callable, Hashable, Protocol, Sequence
 
 from serving_integration.cache.config import TrustConfig
@@ -133,32 +135,48 @@ SAMPLED_MEMO = 65536  # workflows whose sampling is memoised at once (the hash c
 
 
 class ShadowEntry:
-    """One content key as the shadows know it: its tokens, the sampled workflows (and their agents)
-    that read it, how many distinct ones ever did, and when it was last touched."""
+    """One content key as the shadows know it: its tokens, the live sampled workflows (and their
+    agents) that read it, the first sampled workflow that did and whether another one did too,
+    when it was last touched, and its score (the sum of its live readers' v_w over their agents)."""
 
-    __slots__ = ("size", "readers", "sharers", "stamp")
+    __slots__ = ("size", "readers", "parts", "first", "shared", "stamp", "score")
 
-    def __init__(self, size: int):
-        self.size, self.sharers, self.stamp = size, 0, 0
-        self.readers: dict[str, dict[str, None]] = {}  # sampled workflow -> its agents that read the key
+    def __init__(self, size: int, first: str):
+        self.size, self.first, self.shared, self.stamp, self.score = size, first, False, 0, 0.0
+        self.readers: dict[str, dict[str, None]] = {}  # live sampled workflow -> its agents that read the key
+        self.parts: dict[str, float] = {}  # live sampled workflow -> sum of its v_w over those agents
+
+
+def lru_rank(entry: ShadowEntry) -> tuple:
+    """Lifecycle-aware LRU's order (policies.LifecycleLRU): retired keys first, then the oldest."""
+    return (1 if entry.readers else 0, entry.stamp)
+
+
+def score_rank(entry: ShadowEntry) -> tuple:
+    """PBKV's order (policies.PBKV): retired keys first, then ascending score, the oldest first among equals."""
+    return (1, entry.score, entry.stamp) if entry.readers else (0, 0.0, entry.stamp)
 
 
 class ShadowCache:
-    """A metadata-only cache of `capacity` tokens: the keys it holds, in the order they were last
-    touched (oldest first), and the tokens charged for each."""
+    """A metadata-only cache of `capacity` tokens: the keys it holds with the tokens charged for each,
+    and its eviction order as a heap of (rank, sequence, key) items, kept lazily: an item is current
+    while its rank is the key's rank now, and every change of a key's rank pushes a new item (an
+    eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
 
-    def __init__(self, name: str, capacity: float):
-        self.name, self.capacity = name, capacity
-        self.held: OrderedDict[Hashable, float] = OrderedDict()  # key -> tokens charged, least recently touched first
+    def __init__(self, name: str, capacity: float, rank: Callable[[ShadowEntry], tuple]):
+        self.name, self.capacity, self.rank = name, capacity, rank
+        self.held: dict[Hashable, float] = {}  # key -> tokens charged
         self.used = 0.0
+        self.heap: list[tuple] = []
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
 
     def hits(self, keys: Sequence, sizes: Sequence) -> int:
         """Tokens of the longest held prefix of `keys`."""
         hit = 0
+        held = self.held
         for key, size in zip(keys, sizes):
-            if key not in self.held:
+            if key not in held:
                 break
             hit += size
         return hit
@@ -167,10 +185,72 @@ class ShadowCache:
         held = self.held
         self.used += charge - held.get(key, 0.0)
         held[key] = charge
-        held.move_to_end(key)
+
+    def push(self, key, entry: ShadowEntry, seq: int) -> None:
+        heapq.heappush(self.heap, (self.rank(entry), seq, key))
+
+    def victim(self, entries: dict, locked: dict):
+        """The next key this shadow's order evicts, off the heap (None: nothing evictable). Locked keys
+        leave the heap; they are pushed again when unlocked."""
+        heap, held, rank = self.heap, self.held, self.rank
+        while heap:
+            item_rank, _, key = heapq.heappop(heap)
+            if key not in held or key in locked or rank(entries[key]) != item_rank:
+                continue  # gone, locked, or stale (a newer item holds its rank)
+            return key
+        return None
 
     def evict(self, key) -> None:
         self.used -= self.held.pop(key)
+
+    def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
+        """The heap from what is held, once stale items outnumber current ones."""
+        rank = self.rank
+        self.heap = [(rank(entries[key]), seq, key) for key in self.held if key not in locked]
+        heapq.heapify(self.heap)
+
+
+class LruShadowCache(ShadowCache):
+    """The lifecycle-aware LRU shadow: the same cache, its order kept without a heap for live keys.
+    Touches come in stamp order, so its live keys (those with a live reader) are an ordered dict,
+    oldest first, and a touch moves a key to its end; only retired keys, which leave that order
+    when their last reader retires, go through the heap (by stamp). The order is `lru_rank`'s."""
+
+    def __init__(self, name: str, capacity: float):
+        super().__init__(name, capacity, lru_rank)
+        self.live: dict[Hashable, int] = {}  # live key -> its stamp, oldest first
+
+    def push(self, key, entry: ShadowEntry, seq: int) -> None:
+        live = self.live
+        if entry.readers:
+            if live.get(key) != entry.stamp:  # touched: now the newest (an unchanged stamp keeps its place)
+                live.pop(key, None)
+                live[key] = entry.stamp
+        else:
+            live.pop(key, None)
+            heapq.heappush(self.heap, ((0, entry.stamp), seq, key))
+
+    def victim(self, entries: dict, locked: dict):
+        heap, held, live = self.heap, self.held, self.live
+        while heap:  # retired keys first, oldest first
+            (_, stamp), _, key = heapq.heappop(heap)
+            entry = entries.get(key)
+            if key not in held or key in live or key in locked or entry.readers or entry.stamp != stamp:
+                continue
+            return key
+        for key in live:
+            if key not in locked:
+                return key
+        return None
+
+    def evict(self, key) -> None:
+        super().evict(key)
+        self.live.pop(key, None)
+
+    def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
+        self.heap = [((0, entries[key].stamp), seq, key) for key in self.held
+                     if key not in self.live and key not in locked]
+        heapq.heapify(self.heap)
 
 
 class OutcomeTrust:
@@ -179,8 +259,9 @@ class OutcomeTrust:
 
     `values(workflow)`: the workflow's folded prediction values v_w (agent -> value, what PBKV's
     score sums, WorkflowLedger.score; empty before its first prediction), or None once the cache
-    has retired it. `capacity`: the real cache's GPU tokens, given by the caller that knows it (the
-    simulator's server, the plugin's runtime) through `set_capacity`."""
+    has retired it. `capacity`: the tokens the real cache may hold now (its GPU tokens less what
+    running requests hold outside it), given by the caller that knows it (the simulator's server,
+    the plugin's runtime) through `set_capacity` before each call and insert."""
 
     mode = "outcome"
 
@@ -191,9 +272,18 @@ class OutcomeTrust:
         self.slack = options.outcome_slack
         self.decay = 1.0 - 1.0 / options.outcome_window
         self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
-        self.clock = 0
-        self.score_shadow, self.lru_shadow = ShadowCache("pbkv", 0.0), ShadowCache("pbkv_lae", 0.0)
+        self.clock = 0  # touches, and heap items' sequence
+        self.score_shadow = ShadowCache("pbkv", 0.0, score_rank)
+        self.lru_shadow = LruShadowCache("pbkv_lae", 0.0)
         self.shadows = (self.score_shadow, self.lru_shadow)
+        # live sampled workflows with keys in the shadows: their v_w as last read, and their keys
+        self.tables: dict[str, dict] = {}
+        self.keys_of: dict[str, dict[Hashable, None]] = {}
+        self._revised: dict[str, None] = {}  # tracked workflows whose v_w changed or that retired since
+        # keys of running calls (their paths are locked in the real tree): key -> running calls
+        # reading it; and each sampled workflow's running calls' keys, oldest first
+        self.locked: dict[Hashable, int] = {}
+        self.running: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0.0  # sampled prompt tokens, decayed like the hit counts
         # decayed sums of d^2, d p and p^2 over sampled calls, d = (lru hits - score hits), p = prompt
         # tokens: the variance of the ratio estimate sum d / sum p (hit_rates' difference)
@@ -203,9 +293,9 @@ class OutcomeTrust:
         self._sampled: dict[str, bool] = {}  # workflow -> is_sampled, memoised (at most SAMPLED_MEMO)
         self.set_capacity(capacity)
 
-    def set_capacity(self, gpu_tokens: float) -> None:
+    def set_capacity(self, cache_tokens: float) -> None:
         for shadow in self.shadows:
-            shadow.capacity = self.share * gpu_tokens
+            shadow.capacity = self.share * cache_tokens
 
     # ---------------------------------------------------------------- accesses
 
@@ -218,8 +308,12 @@ class OutcomeTrust:
         return known
 
     def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
-        """A call arrived with its prompt's content keys (prefix order) and token counts: each shadow
-        counts its hits, then holds the prompt. True when the followed order flipped."""
+        """A call was admitted with its prompt's content keys (prefix order) and token counts: each
+        shadow counts the tokens of its longest held prefix as hits; the prompt's keys stay locked
+        until the call finishes (its path is locked in the real tree; the whole prompt is held, read
+        and touched only then, as the real cache inserts it and refreshes its path, so a locked key
+        needs no touch now), and each shadow makes room for what running calls now hold outside the
+        cache. True when the followed order flipped."""
         if not keys or not self.is_sampled(workflow):
             return False
         self.sampled_calls += 1
@@ -234,110 +328,158 @@ class OutcomeTrust:
         d = hits[1] - hits[0]
         self._dd, self._dp, self._pp = (self._dd * decay + d * d, self._dp * decay + d * prompt,
                                         self._pp * decay + prompt * prompt)
-        self._hold(workflow, agent, keys, sizes)
+        self.running.setdefault(workflow, []).append(keys)
+        locked = self.locked
+        for key in keys:
+            locked[key] = locked.get(key, 0) + 1
+        self._make_room()
         return self._decide()
 
     def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
-        """A call finished: its prompt and output (content keys in prefix order) are in the cache."""
-        if keys and self.is_sampled(workflow):
-            self._hold(workflow, agent, keys, sizes)
+        """A call finished: its prompt and output (content keys in prefix order) are in the cache, and
+        its path is unlocked."""
+        if not keys or not self.is_sampled(workflow):
+            return
+        calls = self.running.get(workflow)
+        if calls:
+            self._unlock(calls.pop(0), keys)
+            if not calls:
+                del self.running[workflow]
+        self._hold(workflow, agent, keys, sizes)
+        self._make_room()
+
+    def _unlock(self, keys: Sequence, held_now: Sequence) -> None:
+        """A finished call's keys: unlocked, and back into the orders of the shadows that hold them
+        (those about to be held again are pushed then, with their new rank)."""
+        locked, entries, seq = self.locked, self.entries, self.clock
+        again = set(held_now)
+        for key in keys:
+            n = locked[key] - 1
+            if n:
+                locked[key] = n
+                continue
+            del locked[key]
+            entry = entries.get(key)
+            if entry is not None and key not in again:
+                for shadow in self.shadows:
+                    if key in shadow.held:
+                        shadow.push(key, entry, seq)
 
     def _hold(self, workflow: str, agent: str | None, keys: Sequence, sizes: Sequence) -> None:
-        entries = self.entries
+        """The workflow's call read these keys, and the cache now holds them all."""
+        table = self.tables.get(workflow)
+        if table is None:
+            table = self.values(workflow)
+            if table is not None:
+                self.tables[workflow], self.keys_of[workflow] = table, {}
+        mine = self.keys_of.get(workflow) if table is not None else None
+        entries, locked, share, clock = self.entries, self.locked, self.share, self.clock
+        score, lru = self.score_shadow, self.lru_shadow
+        score_held, lru_held, score_heap = score.held, lru.held, score.heap
         # touched deepest first, so that a prefix is more recent than what extends it: the LRU
         # ties of both orders then evict leaves before their prefixes, as a radix tree must
         for key, size in zip(reversed(keys), reversed(sizes)):
             entry = entries.get(key)
             if entry is None:
-                entry = entries[key] = ShadowEntry(size)
-            agents = entry.readers.get(workflow)
-            if agents is None:
-                agents = entry.readers[workflow] = {}
-                entry.sharers += 1
-            if agent is not None:
-                agents[agent] = None
-            self.clock += 1
-            entry.stamp = self.clock
-            charge = size * self.share if entry.sharers >= 2 else size
-            for shadow in self.shadows:
-                shadow.hold(key, charge)
-        keep = set(keys)  # the call's own keys stay (its path is locked in the real tree)
-        for shadow, make_room in ((self.score_shadow, self._evict_by_score), (self.lru_shadow, self._evict_by_lru)):
-            if shadow.used > shadow.capacity:
-                for key in make_room(shadow, keep, shadow.used - (1 - self.slack) * shadow.capacity):
-                    shadow.evict(key)
-                    if key not in self.score_shadow.held and key not in self.lru_shadow.held:
-                        del entries[key]
+                entry = entries[key] = ShadowEntry(size, workflow)
+            elif not entry.shared and entry.first != workflow:
+                entry.shared = True
+            if mine is not None:
+                agents = entry.readers.get(workflow)
+                if agents is None:
+                    agents = entry.readers[workflow] = {}
+                    mine[key] = None
+                if agent is not None and agent not in agents:
+                    agents[agent] = None
+                    entry.parts[workflow] = part = sum(table.get(a, 0.0) for a in agents)
+                    entry.score = part if len(entry.parts) == 1 else sum(entry.parts.values())
+            clock += 1
+            entry.stamp = clock
+            charge = size * share if entry.shared else size
+            score.used += charge - score_held.get(key, 0.0)  # ShadowCache.hold, inlined (the hot loop)
+            score_held[key] = charge
+            lru.used += charge - lru_held.get(key, 0.0)
+            lru_held[key] = charge
+            if key not in locked:
+                heapq.heappush(score_heap, (score_rank(entry), clock, key))  # ShadowCache.push
+                lru.push(key, entry, clock)
+        self.clock = clock
 
     # ---------------------------------------------------------------- the two keep orders
 
-    def _live_values(self, entry: ShadowEntry, cache: dict[str, dict | None]) -> list[tuple[dict, dict]]:
-        """The value tables of the entry's readers the cache still follows, with their agents;
-        retired readers are dropped. `cache`: workflow -> its table (None: retired), per pass."""
-        readers = entry.readers
-        if len(readers) == 1:  # the common case: a private key
-            (w, agents), = readers.items()
-            table = cache[w] if w in cache else cache.setdefault(w, self.values(w))
-            if table is None:
-                readers.clear()
-                return []
-            return [(table, agents)]
-        tables, gone = [], []
-        for w, agents in readers.items():
-            table = cache[w] if w in cache else cache.setdefault(w, self.values(w))
-            if table is None:
-                gone.append(w)
-            else:
-                tables.append((table, agents))
-        for w in gone:
-            del readers[w]
-        return tables
+    def revise(self, workflow: str) -> None:
+        """The workflow's v_w changed, or the cache retired it (the ledger tells every change:
+        WorkflowLedger.listeners); read again before the next eviction."""
+        if workflow in self.tables:
+            self._revised[workflow] = None
 
-    def _retired_first(self, shadow: ShadowCache, keep: set, over: float,
-                       cache: dict[str, dict | None]) -> tuple[list, float, list]:
-        """Both orders evict retired keys (no live reader) first, oldest first: those, until `over`
-        tokens are freed; then what is still to free and the live keys seen, oldest first, with their
-        value tables (all of them when the retired keys did not suffice)."""
-        victims, active, entries = [], [], self.entries
-        for key, charge in shadow.held.items():
-            if key in keep:
+    def _refresh(self) -> None:
+        """Read each revised workflow's v_w again: a retired one leaves its keys' readers, a new
+        prediction rescores its keys. Both change ranks, so the keys are pushed again."""
+        if not self._revised:
+            return
+        tables, values = self.tables, self.values
+        changed = [(w, values(w)) for w in self._revised if w in tables]
+        self._revised = {}
+        entries, locked, seq = self.entries, self.locked, self.clock
+        score_shadow, lru_shadow = self.score_shadow, self.lru_shadow
+        for w, now in changed:
+            if now is None:  # retired: its keys lose a reader, and may become retired keys
+                del tables[w]
+                for keys in self.running.pop(w, ()):  # a call the server never finished (aborted)
+                    self._unlock(keys, ())
+                for key in self.keys_of.pop(w):
+                    entry = entries[key]
+                    del entry.readers[w]
+                    entry.parts.pop(w, None)
+                    entry.score = sum(entry.parts.values())
+                    if key not in locked:
+                        if key in score_shadow.held:
+                            score_shadow.push(key, entry, seq)
+                        if not entry.readers and key in lru_shadow.held:
+                            lru_shadow.push(key, entry, seq)
                 continue
-            tables = self._live_values(entries[key], cache)
-            if tables:
-                active.append((key, tables))
+            tables[w] = now
+            for key in self.keys_of[w]:  # a new prediction: only the score's order changes
+                entry = entries[key]
+                parts = entry.parts
+                if w not in parts:
+                    continue  # read without an agent (a call before any agent is known)
+                agents = entry.readers[w]
+                if len(agents) == 1:
+                    (agent,) = agents
+                    part = parts[w] = now.get(agent, 0.0)
+                else:
+                    part = parts[w] = sum(now.get(a, 0.0) for a in agents)
+                entry.score = part if len(parts) == 1 else sum(parts.values())
+                if key not in locked and key in score_shadow.held:
+                    score_shadow.push(key, entry, seq)
+
+    def _make_room(self) -> None:
+        """Each shadow over its capacity evicts by its own order down to (1 - slack) x its capacity;
+        a key neither holds any more is forgotten."""
+        if all(shadow.used <= shadow.capacity for shadow in self.shadows):
+            return
+        self._refresh()
+        entries, locked = self.entries, self.locked
+        for shadow, other in ((self.score_shadow, self.lru_shadow), (self.lru_shadow, self.score_shadow)):
+            if shadow.used <= shadow.capacity:
                 continue
-            victims.append(key)
-            over -= charge
-            if over <= 0:
-                break
-        return victims, over, active
+            target = (1 - self.slack) * shadow.capacity
+            while shadow.used > target:
+                key = shadow.victim(entries, locked)
+                if key is None:
+                    break
+                shadow.evict(key)
+                if key not in other.held:
+                    self._forget(key)
+            if len(shadow.heap) > 2 * len(shadow.held) + 1024:
+                shadow.rebuild(entries, locked, self.clock)
 
-    def _evict_by_lru(self, shadow: ShadowCache, keep: set, over: float) -> list:
-        """Lifecycle-aware LRU: retired keys first, then the oldest, until `over` tokens are freed."""
-        victims, over, active = self._retired_first(shadow, keep, over, {})
-        for key, _ in active:
-            if over <= 0:
-                break
-            victims.append(key)
-            over -= shadow.held[key]
-        return victims
-
-    def _evict_by_score(self, shadow: ShadowCache, keep: set, over: float) -> list:
-        """PBKV's order: retired keys first (oldest first, as their scores tie), then ascending score,
-        older first among equals; until `over` tokens are freed. Only when the retired keys do not
-        suffice are the live ones scored."""
-        victims, over, active = self._retired_first(shadow, keep, over, {})
-        if over <= 0:
-            return victims
-        entries = self.entries
-        ranked = [(sum(table.get(a, 0.0) for table, agents in tables for a in agents), entries[key].stamp, key)
-                  for key, tables in active]
-        heapq.heapify(ranked)
-        while over > 0 and ranked:
-            key = heapq.heappop(ranked)[2]
-            victims.append(key)
-            over -= shadow.held[key]
-        return victims
+    def _forget(self, key) -> None:
+        entry = self.entries.pop(key)
+        for w in entry.readers:
+            self.keys_of[w].pop(key, None)
 
     # ---------------------------------------------------------------- decision
 

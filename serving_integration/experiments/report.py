@@ -613,7 +613,7 @@ def robust_section(rows) -> str:
 ROBUST_NOTE = (
     "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv under "
     "outcome trust (it follows whichever of its score order and lifecycle-aware LRU has more GPU hits on shadow "
-    "caches over a sample of the workflows) and under accuracy trust (it falls back to lifecycle-aware LRU while "
+    "caches that follow the server's calls) and under accuracy trust (it falls back to lifecycle-aware LRU while "
     "the predictions it checks online are poor), each against the better of lru and pbkv_lae, in points of GPU "
     "hit rate (criterion: >= -1 in every seed), and the share of the gain of pbkv under always trust (the "
     "paper's policy) over LRU that it keeps (criterion where always's gain over LRU exceeds its 95% interval "

@@ -143,6 +143,7 @@ def after_checkpoint(result, cache, req, *args, **kwargs):
 def after_release(result, cache, req, *args, **kwargs):
     runtime = _runtime(cache)
     if runtime is not None and req.finished():
+        runtime.attach(cache)
         runtime.on_finished(req)
 
 

@@ -374,18 +374,19 @@ class WorkflowRuntime:
         self.hidden_size: int | None = None  # of the vectors SGLang returned
         self._stats_written = -math.inf
         self._ttl_checked = -math.inf
-        self._capacity_known = False
 
     def attach(self, cache) -> None:
-        """The radix cache this runtime orders, seen from a hook: its device tokens reach the policy
-        once (the outcome shadows hold outcome_sample x them)."""
-        if self._capacity_known:
-            return
+        """The radix cache this runtime orders, seen from a hook: the tokens it may hold now reach the
+        policy (the outcome shadows hold outcome_sample x them): the device pool's free tokens and
+        the tree's, i.e. the pool less what running requests hold outside the tree, as the
+        simulator tells it."""
         allocator = getattr(cache, "token_to_kv_pool_allocator", None)
-        size = getattr(allocator, "size", None)
-        if isinstance(size, int) and size > 0:
-            self.policy.set_capacity(size)
-            self._capacity_known = True
+        try:
+            tokens = allocator.available_size() + cache.evictable_size() + cache.protected_size()
+        except (AttributeError, TypeError):  # a cache without these counters: its pool's size
+            tokens = getattr(allocator, "size", None)
+        if isinstance(tokens, int) and tokens > 0:
+            self.policy.set_capacity(tokens)
 
     def _shadow_keys(self, workflow_id: str, tokens) -> tuple[list, list]:
         """The content keys the outcome shadows need of a call of this workflow: none unless pbkv

@@ -320,6 +320,7 @@ class Server:
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
+        self.policy.set_capacity(tree.gpu_capacity - tree.private_gpu)  # what the cache may hold while this runs
         if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens):  # pbkv's trust switched its order
             tree.reprioritize()
         if self.tracks_workflows:
@@ -429,6 +430,7 @@ class Server:
         tree.refresh_ids(self.policy.on_call_finished(wf.id, call.agent, node_ids, sum(lens),
                                                       wf.next_call + 1 < len(wf.calls)))
         tree.refresh_many(path)
+        self.policy.set_capacity(tree.gpu_capacity - tree.private_gpu)
         self.policy.observe_insert(wf.id, call.agent, keys, lens)
         self.ever_cached.update(keys)
         r.finished = self.now

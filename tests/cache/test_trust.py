@@ -1,5 +1,8 @@
 """PBKV's trust modes (cache/trust.py): the outcome shadows' hit counts and keep orders checked by
-hand on a tiny sequence, the workflow sample, and the decision with its hysteresis."""
+hand on a tiny sequence, their incremental orders against a full sort, the locks and capacity of
+running calls, the workflow sample, and the decision with its hysteresis."""
+
+import random
 
 import pytest
 
@@ -23,9 +26,16 @@ def held(trust):
     return sorted(trust.score_shadow.held), sorted(trust.lru_shadow.held)
 
 
+def run_call(trust, w, agent, keys, sizes):
+    """A call admitted and finished at once (no output): matched, then its prompt held."""
+    flipped = trust.observe_call(w, agent, keys, sizes)
+    trust.observe_insert(w, keys, sizes, agent)
+    return flipped
+
+
 def test_shadow_hits_and_keep_orders_by_hand():
     trust, _ = judge()
-    call = lambda w, agent, *keys: trust.observe_call(w, agent, keys, [4] * len(keys))
+    call = lambda w, agent, *keys: run_call(trust, w, agent, keys, [4] * len(keys))
     call("w1", "c", "X")
     call("w1", "a", "S")
     call("w2", "b", "T")
@@ -49,7 +59,7 @@ def test_shadow_hits_and_keep_orders_by_hand():
 
 def test_a_prompt_hits_only_as_far_as_its_prefix_is_held():
     trust, _ = judge(capacity=100)
-    trust.observe_call("w1", "a", ["P", "Q"], [10, 5])
+    run_call(trust, "w1", "a", ["P", "Q"], [10, 5])
     trust.score_shadow.evict("P")  # a hole at the root of the chain
     trust.observe_call("w2", "b", ["P", "Q", "R"], [10, 5, 7])
     assert trust.score_shadow.total_hit_tokens == 0 and trust.lru_shadow.total_hit_tokens == 15
@@ -57,15 +67,69 @@ def test_a_prompt_hits_only_as_far_as_its_prefix_is_held():
 
 def test_retired_readers_go_first_in_both_orders_and_outputs_are_held():
     trust, live = judge(capacity=12)
-    trust.observe_call("w2", "b", ["T"], [4])
+    run_call(trust, "w2", "b", ["T"], [4])
     trust.observe_call("w1", "c", ["X"], [4])
+    assert held(trust) == (["T"], ["T"])  # a prompt is held once its call finishes, as the real cache inserts it
     trust.observe_insert("w1", ["X", "Xout"], [4, 4], "c")  # the call's output joins its prompt
     assert held(trust) == (["T", "X", "Xout"], ["T", "X", "Xout"])
     del live["w1"]  # the cache retired w1: its keys have no live reader
-    trust.observe_call("w2", "b", ["T", "U"], [4, 4])
-    # LRU would drop T (the oldest) but it is the call's own prefix; both drop retired Xout first
-    # (Xout is older than X: prefixes are touched after what extends them)
+    trust.revise("w1")  # as the ledger tells its listeners
+    run_call(trust, "w2", "b", ["T", "U"], [4, 4])
+    # both drop retired Xout first, not the live T, not X (Xout is older than X: prefixes are
+    # touched after what extends them)
     assert held(trust) == (["T", "U", "X"], ["T", "U", "X"])
+
+
+def test_a_running_calls_keys_stay_and_its_memory_shrinks_the_shadows():
+    trust, _ = judge(capacity=12)
+    run_call(trust, "w1", "c", ["A"], [4])
+    run_call(trust, "w2", "b", ["C"], [4])
+    run_call(trust, "w2", "b", ["D"], [4])
+    trust.set_capacity(8 / trust.share)  # running calls now hold 4 of the 12 tokens outside the cache
+    trust.observe_call("w1", "c", ["A", "B"], [4, 4])  # A is matched and locked while the call runs
+    # both shadows make room at once; the oldest, A, is locked, so C goes (in the score order too:
+    # C has score 1 as A has, and is older among the unlocked)
+    assert held(trust) == (["A", "D"], ["A", "D"]) and trust.locked == {"A": 1, "B": 1}
+    trust.set_capacity(12 / trust.share)
+    trust.observe_insert("w1", ["A", "B"], [4, 4], "c")
+    assert held(trust) == (["A", "B", "D"], ["A", "B", "D"]) and not trust.locked and not trust.running
+
+
+def test_the_incremental_orders_are_the_orders_a_full_sort_gives():
+    """After a random stream of calls, inserts, new predictions and retirements, each shadow's heap
+    yields its held, unlocked keys exactly in the order of sorting them by their rank now."""
+    rng = random.Random(0)
+    tables = {f"w{i}": {a: rng.random() for a in "abc"} for i in range(6)}
+    live = set(tables)
+    trust = OutcomeTrust(TrustConfig(outcome_sample=1.0, outcome_slack=0.0),
+                         lambda w: tables[w] if w in live else None)
+    trust.set_capacity(60)
+    running = {}
+    for step in range(400):
+        w = rng.choice(sorted(tables))
+        if w in running:
+            trust.observe_insert(w, *running.pop(w), rng.choice("abc"))
+        else:
+            keys = [f"{w[1] if rng.random() < 0.5 else 's'}{j}" for j in range(rng.randint(1, 4))]
+            running[w] = (keys, [rng.randint(1, 6) for _ in keys])
+            trust.observe_call(w, rng.choice("abc"), *running[w])
+        if rng.random() < 0.2:  # a new prediction
+            w = rng.choice(sorted(tables))
+            tables[w] = {a: rng.choice([0.0, 0.5, rng.random()]) for a in "abc"}
+            trust.revise(w)
+        if rng.random() < 0.05:
+            w = rng.choice(sorted(tables))
+            live ^= {w}  # retired, or live again
+            trust.revise(w)
+    trust._refresh()
+    assert trust.locked and any(not e.readers for e in trust.entries.values())  # the stream reached both cases
+    for shadow in trust.shadows:
+        expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: shadow.rank(trust.entries[k]))
+        popped = []
+        while (key := shadow.victim(trust.entries, trust.locked)) is not None:
+            popped.append(key)
+            shadow.evict(key)
+        assert popped == expected, shadow.name
 
 
 def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
@@ -73,9 +137,9 @@ def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
     assert trust.lru_shadow.capacity == 1000
     trust.score_shadow.capacity = trust.lru_shadow.capacity = 10**6
     w1, w2 = sampled_pair(0.5)
-    trust.observe_call(w1, "a", ["S", "x"], [100, 10])
+    run_call(trust, w1, "a", ["S", "x"], [100, 10])
     assert trust.lru_shadow.used == 110  # read by one sampled workflow: its full size
-    trust.observe_call(w2, "a", ["S", "y"], [100, 10])
+    run_call(trust, w2, "a", ["S", "y"], [100, 10])
     assert trust.lru_shadow.used == 50 + 10 + 10  # S, shared: half its tokens (the sample's share of its readers)
 
 
@@ -102,7 +166,7 @@ def flips(**options):
     trust, _ = judge(**options)
     sequence = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
                 ("w2", "a", "S"), ("w1", "c", "X")]
-    return [i for i, (w, agent, key) in enumerate(sequence, 1) if trust.observe_call(w, agent, [key], [4])]
+    return [i for i, (w, agent, key) in enumerate(sequence, 1) if run_call(trust, w, agent, [key], [4])]
 
 
 def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_error():
@@ -123,7 +187,7 @@ def test_trust_knobs_are_checked():
 def test_a_full_shadow_evicts_down_to_its_slack():
     trust, _ = judge(capacity=100, outcome_slack=0.1)
     for i in range(10):
-        trust.observe_call("w1", "c", [f"k{i}"], [10])
+        run_call(trust, "w1", "c", [f"k{i}"], [10])
     assert trust.lru_shadow.used == 100
-    trust.observe_call("w1", "c", ["k10"], [10])  # 110 > 100: down to 90 (the two oldest go)
+    run_call(trust, "w1", "c", ["k10"], [10])  # 110 > 100: down to 90 (the two oldest go)
     assert trust.lru_shadow.used == 90 and sorted(trust.lru_shadow.held) == sorted(f"k{i}" for i in range(2, 11))

@@ -293,7 +293,10 @@ def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follo
     serving.serve(prompt(10) + [1, 2, 3], [4], tag("W", "a", step=1))  # its first 2 blocks are held
     judge = serving.runtime.policy.judge
     assert judge.score_shadow.capacity == 256  # the device pool's tokens x outcome_sample
-    assert sorted(judge.lru_shadow.held) == sorted(judge.score_shadow.held) and len(judge.entries) == 5
+    # 3 blocks of the first call, its 2 prompt blocks matched by the second, whose last block (3
+    # prompt tokens and its output token) is held once it finishes: 4 keys
+    assert sorted(judge.lru_shadow.held) == sorted(judge.score_shadow.held) and len(judge.entries) == 4
+    assert not judge.locked  # both calls finished: nothing of theirs is locked
     trust = serving.runtime.snapshot()["trust"]
     assert trust["following"] == "pbkv" and trust["trust_switches"] == 0 and trust["shadow_sampled_calls"] == 2
     assert trust["shadow_hit_tokens_pbkv"] == trust["shadow_hit_tokens_lae"] == 8
