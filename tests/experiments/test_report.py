@@ -38,7 +38,8 @@ def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     rows = [r for f in sorted(sweep.rglob("summary.json")) for r in json.loads(f.read_text())["rows"]]
     for gpu in (90000, 200000):
         by = {r["policy"]: r for r in rows if r["gpu_tokens"] == gpu and r["split"] == "test"
-              and r["prefetch"] == OWN_PREFETCH.get(r["policy"], "none")}  # KVFlow: its own prefetch
+              and r["prefetch"] == OWN_PREFETCH.get(r["policy"], "none")  # KVFlow: its own prefetch
+              and r.get("trust") in ("none", "outcome")}  # the row named pbkv: the default trust
         test = md[md.index("## Test split"):md.index("## Appendix: validation split")]  # test first
         header = f"### hover, {gpu // 1000}k GPU tokens\n"  # what differs between the settings, in words
         assert header in test and "Every setting below: 8 live workflows, K=3, gamma 0.5" in test
@@ -56,7 +57,8 @@ def test_report_numbers_come_from_the_rows(sweep, tmp_path):
     # the claims: one operating point, where pbkv's latency gains most over LRU's on val; measured on test
     def pick(split, gpu, prefetch):
         return {r["policy"]: r for r in rows if r["split"] == split and r["gpu_tokens"] == gpu
-                and r["policy"] in ("pbkv", "lru") and r["prefetch"] == (prefetch if r["policy"] == "pbkv" else "none")}
+                and r["policy"] in ("pbkv", "lru") and r["prefetch"] == (prefetch if r["policy"] == "pbkv" else "none")
+                and r.get("trust") in ("none", "outcome")}
 
     def speed_up_over_lru(split, gpu, prefetch):
         at = pick(split, gpu, prefetch)
