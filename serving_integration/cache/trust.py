@@ -181,11 +181,6 @@ class ShadowCache:
             hit += size
         return hit
 
-    def hold(self, key, charge: float) -> None:
-        held = self.held
-        self.used += charge - held.get(key, 0.0)
-        held[key] = charge
-
     def push(self, key, entry: ShadowEntry, seq: int) -> None:
         heapq.heappush(self.heap, (self.rank(entry), seq, key))
 
@@ -254,8 +249,9 @@ class LruShadowCache(ShadowCache):
 
 
 class OutcomeTrust:
-    """trust=outcome: the score order against lifecycle-aware LRU on two shadow caches over a sample
-    of the workflows (module docstring); follows the one with more hits, with hysteresis.
+    """trust=outcome: the score order against lifecycle-aware LRU on two shadow caches that follow
+    the workflows' calls (all of them by default, a seeded sample below outcome_sample = 1; module
+    docstring); follows the one with more hits, with hysteresis.
 
     `values(workflow)`: the workflow's folded prediction values v_w (agent -> value, what PBKV's
     score sums, WorkflowLedger.score; empty before its first prediction), or None once the cache
@@ -396,7 +392,7 @@ class OutcomeTrust:
             clock += 1
             entry.stamp = clock
             charge = size * share if entry.shared else size
-            score.used += charge - score_held.get(key, 0.0)  # ShadowCache.hold, inlined (the hot loop)
+            score.used += charge - score_held.get(key, 0.0)  # both shadows hold it (inlined: the hot loop)
             score_held[key] = charge
             lru.used += charge - lru_held.get(key, 0.0)
             lru_held[key] = charge
