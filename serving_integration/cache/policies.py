@@ -140,7 +140,7 @@ class WorkflowLedger:
         # shared node id -> workflow -> its part of the node's score, in the order of `users`
         self._parts: dict[int, dict[str, float]] = {}
         self._name_columns: tuple = (None, 0, None)  # (agent_names list, its length, their columns)
-        # told the workflow whenever its v_w changes or it retires (PBKV's outcome judge)
+        # each is called with a workflow whenever its v_w changes or it retires (PBKV's outcome judge)
         self.listeners: list[Callable[[str], None]] = []
 
     # ---------------------------------------------------------------- lifecycle
