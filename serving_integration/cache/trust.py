@@ -146,6 +146,23 @@ class ShadowEntry:
         self.readers: dict[str, dict[str, None]] = {}  # live sampled workflow -> its agents that read the key
         self.parts: dict[str, float] = {}  # live sampled workflow -> sum of its v_w over those agents
 
+    def set_part(self, workflow: str, table: dict) -> None:
+        """A reader's part from its v_w `table`, and the score again (the sum of the parts)."""
+        agents = self.readers[workflow]
+        if len(agents) == 1:
+            (agent,) = agents
+            part = table.get(agent, 0.0)
+        else:
+            part = sum(table.get(a, 0.0) for a in agents)
+        self.parts[workflow] = part
+        self.score = part if len(self.parts) == 1 else sum(self.parts.values())
+
+    def drop_reader(self, workflow: str) -> None:
+        """A reader retired: its agents and part go, the score is summed again."""
+        del self.readers[workflow]
+        self.parts.pop(workflow, None)
+        self.score = sum(self.parts.values())
+
 
 def lru_rank(entry: ShadowEntry) -> tuple:
     """Lifecycle-aware LRU's order (policies.LifecycleLRU): retired keys first, then the oldest."""
@@ -387,8 +404,7 @@ class OutcomeTrust:
                     mine[key] = None
                 if agent is not None and agent not in agents:
                     agents[agent] = None
-                    entry.parts[workflow] = part = sum(table.get(a, 0.0) for a in agents)
-                    entry.score = part if len(entry.parts) == 1 else sum(entry.parts.values())
+                    entry.set_part(workflow, table)
             clock += 1
             entry.stamp = clock
             charge = size * share if entry.shared else size
@@ -426,9 +442,7 @@ class OutcomeTrust:
                     self._unlock(keys, ())
                 for key in self.keys_of.pop(w):
                     entry = entries[key]
-                    del entry.readers[w]
-                    entry.parts.pop(w, None)
-                    entry.score = sum(entry.parts.values())
+                    entry.drop_reader(w)
                     if key not in locked:
                         if key in score_shadow.held:
                             score_shadow.push(key, entry, seq)
@@ -438,16 +452,9 @@ class OutcomeTrust:
             tables[w] = now
             for key in self.keys_of[w]:  # a new prediction: only the score's order changes
                 entry = entries[key]
-                parts = entry.parts
-                if w not in parts:
+                if w not in entry.parts:
                     continue  # read without an agent (a call before any agent is known)
-                agents = entry.readers[w]
-                if len(agents) == 1:
-                    (agent,) = agents
-                    part = parts[w] = now.get(agent, 0.0)
-                else:
-                    part = parts[w] = sum(now.get(a, 0.0) for a in agents)
-                entry.score = part if len(parts) == 1 else sum(parts.values())
+                entry.set_part(w, now)
                 if key not in locked and key in score_shadow.held:
                     score_shadow.push(key, entry, seq)
 
