@@ -309,8 +309,14 @@ class LRUPrefetch(_LedgerPolicy):
     def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[Any, None]]:
         waiting = sorted((w for w in idle_workflows if w in self.last_nodes and self.ledger.is_live(w)),
                          key=self.finished_at.__getitem__)
-        return [(node, None) for w in waiting for node in reversed(list(self.last_nodes[w].values()))
-                if not on_gpu(node)]
+        order: list[tuple[Any, None]] = []
+        for w in waiting:  # the newest node first (list.reverse: mypyc 2.4 fails on reversed() of an Any list)
+            nodes = list(self.last_nodes[w].values())
+            nodes.reverse()
+            for node in nodes:
+                if not on_gpu(node):
+                    order.append((node, None))
+        return order
 
 
 # -------------------------------------------------------------------- Continuum

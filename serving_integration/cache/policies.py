@@ -81,7 +81,7 @@ class _WorkflowRows:
 
     __slots__ = ("row", "nodes", "agents", "part", "width", "shared", "value")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.row: dict[int, int] = {}  # node id -> row
         self.nodes: list[int] = []  # row -> node id
         self.agents: list[list[int]] = []  # row -> agent columns, -1 padded to `width`

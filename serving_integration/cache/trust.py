@@ -246,8 +246,10 @@ class LruShadowCache(ShadowCache):
         heap, held, live = self.heap, self.held, self.live
         while heap:  # retired keys first, oldest first
             (_, stamp), _, key = heapq.heappop(heap)
-            entry = entries.get(key)
-            if key not in held or key in live or key in locked or entry.readers or entry.stamp != stamp:
+            if key not in held or key in live or key in locked:
+                continue
+            entry = entries[key]  # held: known
+            if entry.readers or entry.stamp != stamp:
                 continue
             return key
         for key in live:
@@ -386,6 +388,7 @@ class OutcomeTrust:
             if table is not None:
                 self.tables[workflow], self.keys_of[workflow] = table, {}
         mine = self.keys_of.get(workflow) if table is not None else None
+        table = table or {}  # read only where `mine` is known, that is where the table is
         entries, locked, share, clock = self.entries, self.locked, self.share, self.clock
         score, lru = self.score_shadow, self.lru_shadow
         score_held, lru_held, score_heap = score.held, lru.held, score.heap

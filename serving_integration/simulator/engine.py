@@ -46,7 +46,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -774,7 +774,7 @@ class Simulator:
         self._retire(wf_id)
 
 
-def summarize(counters: Counters, makespan: float, n_calls: int, trace: list[Request] = ()) -> dict:
+def summarize(counters: Counters, makespan: float, n_calls: int, trace: Sequence[Request] = ()) -> dict:
     """The run's row metrics; `trace` (every request once or twice) gives each workflow's recomputed tokens."""
     c = counters
     requests = {id(r): r for r in trace}.values()

@@ -57,6 +57,8 @@ CASES = {
                                                           end_signal_loss=0.5, inactivity_timeout_s=3.0, seed=2,
                                                           predictor_cost_s=0.01),
                                      dict(policy="pbkv", prefetch="aggressive", predictions="noisy")),
+    "lru_prefetch_last_call": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
+                               dict(policy="lru_prefetch", prefetch="last_call")),
     "oracle_conservative": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
                             dict(policy="oracle", prefetch="conservative", predictions="perfect")),
     **{f"two_replicas_{routing}": ("hover", 16, 1, dict(gpu_tokens=80_000, concurrency=8, replicas=2, routing=routing,
@@ -98,6 +100,13 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.745084760359475,
         'p99_workflow_latency_s': 88.07531751603695, 'mean_ttft_s': 0.5686652289627924, 'throughput_calls_per_s':
         1.0489330055665738, 'time_queue_s': 2.045059835557584, 'time_pcie_s': 0.2017753999999999
+    },
+    'lru_prefetch_last_call': {
+        'gpu_hit_tokens': 187988, 'host_hit_tokens': 173933, 'prompt_tokens': 1059700, 'recomputed_tokens': 207953,
+        'prefetched_tokens': 78688, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.73714476035948,
+        'p99_workflow_latency_s': 88.06925351603695, 'mean_ttft_s': 0.5685066249359468, 'throughput_calls_per_s':
+        1.0491075403410266, 'time_queue_s': 2.044563835557584, 'time_pcie_s': 0.19433139999999996
     },
     'oracle_conservative': {
         'gpu_hit_tokens': 328400, 'host_hit_tokens': 201063, 'prompt_tokens': 1059700, 'recomputed_tokens': 40411,
