@@ -300,6 +300,7 @@ class OutcomeTrust:
         self.locked: dict[Hashable, int] = {}
         self.running: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0.0  # sampled prompt tokens, decayed like the hit counts
+        self.total_prompt_tokens = 0  # sampled prompt tokens over the whole run
         # decayed sums of d^2, d p and p^2 over sampled calls, d = (lru hits - score hits), p = prompt
         # tokens: the variance of the ratio estimate sum d / sum p (hit_rates' difference)
         self._dd = self._dp = self._pp = 0.0
@@ -334,6 +335,7 @@ class OutcomeTrust:
         self.sampled_calls += 1
         prompt, decay = sum(sizes), self.decay
         self.prompt_tokens = self.prompt_tokens * decay + prompt
+        self.total_prompt_tokens += prompt
         hits = []
         for shadow in self.shadows:
             hit = shadow.hits(keys, sizes)
@@ -515,10 +517,16 @@ class OutcomeTrust:
         return flipped
 
     def report(self) -> dict:
+        """What it followed and measured: `shadow_hit_rate_*` over every sampled call of the run,
+        `shadow_window_hit_rate_*` over the decision's window at the end (where a replay's load
+        drops as its last workflows finish, and every rate rises)."""
         score, lru = self.hit_rates()
+        total = self.total_prompt_tokens or 1
         return {"trust": self.mode, "following": "pbkv" if self.trusted else "pbkv_lae",
                 "trust_switches": self.switches, "shadow_sampled_calls": self.sampled_calls,
-                "shadow_hit_rate_pbkv": score, "shadow_hit_rate_lae": lru,
+                "shadow_hit_rate_pbkv": self.score_shadow.total_hit_tokens / total,
+                "shadow_hit_rate_lae": self.lru_shadow.total_hit_tokens / total,
+                "shadow_window_hit_rate_pbkv": score, "shadow_window_hit_rate_lae": lru,
                 "shadow_hit_tokens_pbkv": self.score_shadow.total_hit_tokens,
                 "shadow_hit_tokens_lae": self.lru_shadow.total_hit_tokens}
 
@@ -539,7 +547,8 @@ def trust_summary(reports: list[dict]) -> dict:
         return {}
     out = {"trust_switches": sum(r["trust_switches"] for r in reports),
            "trusted_at_end": all(r["following"] == "pbkv" for r in reports)}
-    for name in ("prediction_quality", "shadow_hit_rate_pbkv", "shadow_hit_rate_lae"):
+    for name in ("prediction_quality", "shadow_hit_rate_pbkv", "shadow_hit_rate_lae", "shadow_window_hit_rate_pbkv",
+                 "shadow_window_hit_rate_lae"):
         if name in reports[0]:
             out[name] = sum(r[name] for r in reports) / len(reports)
     if "shadow_sampled_calls" in reports[0]:

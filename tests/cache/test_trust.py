@@ -54,7 +54,9 @@ def test_shadow_hits_and_keep_orders_by_hand():
     # X again: a hit for the score only; 8 against 8 is no win, so LRU stays followed (hysteresis)
     assert call("w1", "c", "X") is False and not trust.trusted
     assert (trust.score_shadow.total_hit_tokens, trust.lru_shadow.total_hit_tokens) == (8, 8)
-    assert trust.report()["following"] == "pbkv_lae" and trust.report()["shadow_sampled_calls"] == 7
+    report = trust.report()
+    assert report["following"] == "pbkv_lae" and report["shadow_sampled_calls"] == 7
+    assert report["shadow_hit_rate_pbkv"] == report["shadow_hit_rate_lae"] == 8 / 28  # the whole run: 7 x 4 tokens
 
 
 def test_a_prompt_hits_only_as_far_as_its_prefix_is_held():

@@ -72,7 +72,9 @@ def test_a_server_step_inlines_its_report(tmp_path):
 
 def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
     """Runs are not committed: a page rendered from runs another machine had is kept (and says so),
-    its plot and its server table stay on the index; a step that never ran reads "Not run yet"."""
+    its plot and its server table stay on the index, and so do the headline and the claims, which
+    the rows here would only partly make; its step time still counts; a step that never ran reads
+    "Not run yet"."""
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"steps": [
         {"name": "check", "kind": "server", "title": "Real against simulated", "command": "-m benchmarks.predictor_table"},
@@ -82,11 +84,13 @@ def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
     (runs / "server" / "check").mkdir(parents=True)
     (runs / "server" / "check" / "report.md").write_text("policy | hit real / sim\n--- | ---\nlru | 16.0% / 14.7%\n")
     (runs / "steps.json").write_text(json.dumps({"check": {"command": "python -m benchmarks.predictor_table",
-                                                           "wall_s": 3.0, "finished": "2026-11-30 10:00 UTC"}}))
+                                                           "wall_s": 300.0, "finished": "2026-11-30 10:00 UTC"}}))
     pages = out.parent / "results"
     pages.mkdir(parents=True)
-    (pages / "swept.md").write_text("# A sweep\n\n[Back](../results.md)\n\nMade by:\n\n    python evaluate.py    "
-                                    "# 12.0 s, 2026-11-30 10:00 UTC\n\n![hit rate](swept/hit_rate.png)\n")
+    (pages / "swept.md").write_text("# A sweep\n\n[Back](../results.md)\n\nMade by:\n\n    python evaluate.py "
+                                    "hydra.run.dir=RUNS/evaluate/swept    # 600.0 s, 2026-11-30 10:00 UTC\n\n"
+                                    "![hit rate](swept/hit_rate.png)\n")
+    out.write_text(f"# Results\n\n{results.HEADLINE}\n\nold headline\n\n{results.CLAIMS}\n\nold claims\n")
     (pages / "never.md").write_text("# Never run\n\n[Back](../results.md)\n\nNot run yet.\n\n    python evaluate.py    "
                                     "# ? s, not run\n")
     argv = [f"plan={plan}", f"runs={runs}", f"out={out}", "render_only=true"]
@@ -96,7 +100,9 @@ def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
     for _ in range(2):  # marked once, however often it is kept
         assert results.main(argv) == 0
         swept, check, index = ((pages / "swept.md").read_text(), (pages / "check.md").read_text(), out.read_text())
-        assert swept.count(results.KEPT) == 1 and "# 12.0 s, 2026-11-30" in swept
+        assert swept.count(results.KEPT) == 1 and "# 600.0 s, 2026-11-30" in swept
+        assert "old headline" in index and "old claims" in index  # swept's rows are not here to make them
+        assert "(15 min of step time, the kept pages' steps as they last ran)" in index
         assert check.count(results.KEPT) == 1 and "lru | 16.0% / 14.7%" in check
         assert "![hit rate](results/swept/hit_rate.png)" in index and "lru | 16.0% / 14.7%" in index
         assert "Kept as last rendered, their runs not in that folder: check, swept" in index
