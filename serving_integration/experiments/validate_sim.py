@@ -16,7 +16,8 @@ Without --checkpoint, pbkv's predictor is the first-order Markov chain fitted on
 (models.markov, as evaluate.py does without predictor.checkpoint), saved once under --out.
 
 Latency: with `--calibrate-split val` (the default) it first replays the first N workflows of that
-split under lru on a fresh server and fits the cost model to those calls (experiments.calibrate),
+split under lru on a fresh server (a fresh cluster with --replicas, routed as the first --routing)
+and fits the cost model to those calls (experiments.calibrate),
 so the simulated latencies of the compared runs (other workflows, every policy) are predictions on
 runs the fit never saw, made on the machine as it is now; the fit is written to
 OUT/calibration/cost_model.yaml (never into conf/: `calibrate --promote` copies it there on request).
@@ -283,9 +284,12 @@ def save_calls(path: Path, results) -> None:
     write_jsonl_atomic(path, ({k: v for k, v in asdict(r).items() if k != "output_ids"} for r in results))
 
 
-def calibrated_cost_model(ds, args, out: Path):
-    """Replay the calibration split's first N workflows under lru, fit the cost model to those calls
-    (experiments.calibrate) and return it with a line describing the fit."""
+def calibrated_cost_model(ds, args, out: Path, routing: str = "none"):
+    """Replay the calibration split's first N workflows under lru on the compared deployment (one
+    server, or --replicas behind the router with `routing`), fit the cost model to those calls
+    (experiments.calibrate) and return it with a line describing the fit. On the deployment, not on
+    one server: replicas that share a machine's cores (CPU servers) run each call slower than one
+    server alone, and a fit on one server would not know it."""
     from serving_integration.experiments import calibrate
     from serving_integration.experiments.bench import replay_workflows
     from serving_integration.server.tiny_model import DEFAULT_DIR
@@ -293,14 +297,15 @@ def calibrated_cost_model(ds, args, out: Path):
     workflows = replay_workflows(ds.rows(args.calibrate_split))[: args.n_workflows or None]
     run = real_run(workflows, "lru", gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
                    concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, log_dir=out / "calibration",
-                   health_timeout_s=args.health_timeout)
+                   health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing)
     save_calls(out / "calibration" / "calls-lru.jsonl", run["results"])
     preset = out / "calibration" / "cost_model.yaml"  # under the run: `calibrate --promote` copies it into conf/
     cost, report = calibrate.fit_preset(out / "calibration" / "calls-lru.jsonl", preset, name=CPU_COST_MODEL,
                                         model_dir=DEFAULT_DIR, peak_flops=calibrate.CPU_PEAK_FLOPS,
                                         mem_bandwidth=calibrate.CPU_MEM_BANDWIDTH,
                                         pcie_bandwidth=calibrate.CPU_COPY_BANDWIDTH)
-    about = (f"cost model fitted on an lru run of the {args.calibrate_split} split's first {len(workflows)} workflows "
+    on = "" if args.replicas == 1 else f" on {args.replicas} replicas ({routing} routing)"
+    about = (f"cost model fitted on an lru run{on} of the {args.calibrate_split} split's first {len(workflows)} workflows "
              f"(written to calibration/{preset.name}); "
              + calibrate.describe(cost, report).replace("\n", "; "))
     return cost, about
@@ -351,7 +356,7 @@ def main(argv=None) -> int:
     if args.calibrate_split == "none":
         cost, about = cpu_cost_model(), f"cost model: conf/cost_model/{CPU_COST_MODEL}.yaml as committed"
     else:
-        cost, about = calibrated_cost_model(ds, args, out)
+        cost, about = calibrated_cost_model(ds, args, out, routings[0])
     if args.cost_speedup != 1.0:
         cost, about = sped_up(cost, args.cost_speedup), f"{about}; simulated {args.cost_speedup:g}x as fast"
     print(about, flush=True)
