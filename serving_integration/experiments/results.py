@@ -303,11 +303,11 @@ def index_page(by_kind: dict, runs: Path, record: dict, pages: dict, all_rows: l
                     table = "Not run yet."
             parts += [f"### {step['title']}", table, f"Details: [{step['name']}](results/{step['name']}.md)"]
     if by_kind["evaluate"]:
-        parts.append("## Experiments")
-        for step in by_kind["evaluate"]:
+        parts.append("## Experiments\n\nEach title links its page of tables.")
+        for step in by_kind["evaluate"]:  # the title is the link: the index stays within a screenful per step
             plot = plots.get(step["name"])
-            parts += [f"### {step['title']}", plot.replace("](", "](results/") if plot else "Not run yet.",
-                      f"All tables: [{step['name']}](results/{step['name']}.md)"]
+            parts += [f"### [{step['title']}](results/{step['name']}.md)",
+                      plot.replace("](", "](results/") if plot else "Not run yet."]
     if by_kind["bench"]:
         figures_table = section(previous_index, "## Benchmarks") if "benchmarks" in kept else None
         if figures_table is None:

@@ -2,6 +2,7 @@
 (headline table, claims, real servers, one plot per experiment) and a detail page per experiment."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -171,3 +172,10 @@ def test_a_plan_step_that_sweeps_on_its_command_line_says_multirun():
                 continue
             swept = [w for w in words if "=" in w and sweeps(w.split("=", 1)[1])]
             assert not swept or {"-m", "--multirun"} & set(words), (step["name"], swept)
+
+
+def test_the_committed_pages_stay_short():
+    """The README is a guide (at most 200 lines) and the results index an index (at most 150)."""
+    repo = Path(__file__).resolve().parents[2]
+    assert len((repo / "docs" / "results.md").read_text().splitlines()) <= 150
+    assert len((repo / "README.md").read_text().splitlines()) <= 200
