@@ -266,6 +266,11 @@ def kept_seconds(steps: list[dict], record: dict, pages: dict, kept: set) -> flo
     return sum(timed.get(f"python {step_commands(s)[-1]}", 0.0) for s in steps if s["name"] not in record)
 
 
+def headline_kept(by_kind: dict, kept: set) -> bool:
+    """Whether a step whose rows the headline and the claims draw on is kept (its runs not here)."""
+    return any(s["name"] in kept and s.get("headline", True) for s in by_kind["evaluate"])
+
+
 def index_page(by_kind: dict, runs: Path, record: dict, pages: dict, all_rows: list, plots: dict,
                kept: set = frozenset(), previous_index: str = "") -> str:
     """The index from the runs; a kept step's server table comes from its kept page, and the
@@ -319,11 +324,6 @@ def index_page(by_kind: dict, runs: Path, record: dict, pages: dict, all_rows: l
             figures_table = md(["benchmark", "figure", "value"], lines) + "\n\nDetails: [benchmarks](results/benchmarks.md)"
         parts += ["## Benchmarks", figures_table]
     return "\n\n".join(p for p in parts if p) + "\n"
-
-
-def headline_kept(by_kind: dict, kept: set) -> bool:
-    """Whether a step whose rows the headline and the claims draw on is kept (its runs not here)."""
-    return any(s["name"] in kept and s.get("headline", True) for s in by_kind["evaluate"])
 
 
 def readme_with_headline(readme: str, table: str) -> str:
