@@ -24,10 +24,9 @@ NOTE = ("Bound - row: the row's own eviction bound (bound_hit_rate) less its GPU
         "order can take that part (with sim.page_size above 1, page rounding adds to it). "
         "Then the share of that headroom by the time between the finish and the read, and by what the reading "
         "workflow did meanwhile (each interval split by the share of its time in each phase); a negative share "
-        "is where the row keeps more than the bound's solution. Prefix-closed: the bound's solution made prefix-closed "
-        "(a read kept only as far as every interval key above it in its prompt is kept: a radix cache can use no "
-        "more), less the row's hits; the rest of the headroom is what the LP gains by keeping a key without its "
-        "prefix (one solution's projection, not a bound). Workflows keeping cache: at each gap between "
+        "is where the row keeps more than the bound's solution. The solution split is prefix-closed (a key read "
+        "below a missed one is a miss, as in a radix cache: simulator/bound.py, point 4a, which also shows that on "
+        "reads of whole keys this leaves the bound's value as it is). Workflows keeping cache: at each gap between "
         "events, the workflows with a kept interval spanning it (the bound's LP: x >= 1/2), averaged over the "
         "gaps: fewer for the bound than for the row means the optimum keeps some workflows whole where the row "
         "spreads the cache over many.")
@@ -45,17 +44,14 @@ def headroom_section(rows) -> str:
     if not found:
         return ""
     head = ["workload", "GPU", "policy", "GPU hits", "bound - row (points)", "headroom (points)",
-            "of it prefix-closed (points)",
             *(f"reuse {DISTANCE_WORDS[b]}" for b in DISTANCE_BINS), *(PHASE_WORDS[p] for p in PHASES),
             "workflows keeping cache: bound / row"]
     body = []
     for r in found:
         delta = r["headroom_bound_hit_rate"] - r["headroom_run_hit_rate"]
-        closed = r.get("headroom_closed_hit_rate")
         gap = None if r.get("bound_hit_rate") is None else 100 * (r["bound_hit_rate"] - r["hit_rate"])
         body.append([r["workload"], gpu_text(r), row_label(r), fmt(r["hit_rate"], "{:.1%}"), fmt(gap, "{:.1f}"),
                      fmt(100 * delta, "{:.1f}"),
-                     fmt(None if closed is None else 100 * (closed - r["headroom_run_hit_rate"]), "{:+.1f}"),
                      *(share(r[f"headroom_reuse_{b}"], delta) for b in DISTANCE_BINS),
                      *(share(r[f"headroom_phase_{p}"], delta) for p in PHASES),
                      f"{r['kept_workflows_bound']:.1f} / {r['kept_workflows_run']:.1f}"])
@@ -85,14 +81,11 @@ def paragraph(rows) -> str:
         distance = {b: sum(r[f"headroom_reuse_{b}"] for r in group) / total for b in DISTANCE_BINS}
         phase = {p: sum(r[f"headroom_phase_{p}"] for r in group) / total for p in PHASES}
         top_distance, top_phase = max(distance, key=distance.get), max(phase, key=phase.get)
-        closed = [r.get("headroom_closed_hit_rate") for r in group]
-        closed_text = ("" if None in closed else
-                       f" (prefix-closed, {100 * sum(c - r['headroom_run_hit_rate'] for c, r in zip(closed, group)) / len(group):.1f})")
         kept_bound = sum(r["kept_workflows_bound"] for r in group) / len(group)
         kept_run = sum(r["kept_workflows_run"] for r in group) / len(group)
         sentences.append(
             f"Over {policy}'s {len(group)} rows the bound's headroom averages {100 * total / len(group):.1f} points "
-            f"of prompt tokens{closed_text}; {distance[top_distance]:.0%} of it lies in reuses {DISTANCE_WORDS[top_distance]} "
+            f"of prompt tokens; {distance[top_distance]:.0%} of it lies in reuses {DISTANCE_WORDS[top_distance]} "
             f"apart and {phase[top_phase]:.0%} in time the reading workflow spent {PHASE_WORDS[top_phase]}; the "
             f"bound keeps cache for {kept_bound:.1f} workflows at a time, {policy} for {kept_run:.1f}.")
     return " ".join(sentences)

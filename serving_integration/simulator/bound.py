@@ -43,9 +43,31 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
         (G)  sum of s_i x_i over intervals i spanning g  <=  C - L(g),
    because such keys are on the GPU, are not running keys (3), and the running ones take L(g).
    The hits of any run (x_i = 1 for the intervals it kept) satisfy these constraints, so the LP
-   optimum plus the free hits bounds its GPU hits. Dropping prefix closure (a unit is reused only
-   after its whole prefix), the host tier, page rounding and the order of evictions within an
-   admission only enlarge the feasible set: the result stays an upper bound.
+   optimum plus the free hits bounds its GPU hits. Dropping the host tier, page rounding and the
+   order of evictions within an admission only enlarge the feasible set: the result stays an upper
+   bound.
+4a. Prefix closure. A radix cache matches a prompt from the root: a read hits key k only if it
+   also hits every key before k in the prompt (the match stops at the first unit it lacks, and its
+   GPU part is a prefix: radix.RadixTree.match). Take the key j just before k in one
+   read at b, and k's interval i. If a running request holds j, it holds every key above j too:
+   no row. If j was never accessed before b, no tier holds it (2), so k is a miss: x_i = 0. If j
+   has an interval i' ending at b, a hit on k means j stayed on the GPU through i' (2):
+        (C)  x_i <= x_i'.
+   Every run's 0/1 hits satisfy (C), so adding it keeps the bound. Where j is read with no tokens
+   (a pruned call) or has size 0, k gets no row: fewer rows only loosen.
+   The three bounds leave (C) out, and where every key is read at its full size (w_i = s_i, as in
+   every generated and imported trace; not in a pruned replay) that changes neither the eviction
+   optimum nor the any-tier one (the same LP at capacity C + H - L(g)). Every access of k (a read,
+   a finish) is an access of j too, so j's last access before b is no earlier than k's: i' lies
+   within i (and j is never MISSED). Along one read's linked keys k_1, k_2, ... (each the key before the next), the
+   intervals all end at b - 1 and start no later the deeper they lie, so the keys whose interval
+   spans a gap g are the deepest ones, from some depth d(g) on. Take any LP solution, and the
+   total T = sum of s x over the chain: refilled from the top (k_1 up to x = 1, then k_2, ...), the
+   chain satisfies (C), its value sum w x = T is unchanged, and its load on g, T less at most the
+   full sizes above d(g), is no more than before (T less those keys' actual load). Chains share no
+   interval, so the refilled solution is feasible and optimal. (C) costs 4.5x the solve time
+   (hover, 1,000 workflows, 25,181 intervals, no host tier: 4.0 s against 0.9 s) and is asked
+   only where the solution's shape matters: `eviction_solution`, for headroom.py.
 5. With prefetch. A GPU hit at b whose key left the GPU inside its interval came back by a
    prefetch load (2): y_i in [0, 1], x_i + y_i <= 1 (a hit is one or the other). Every run with
    prefetch satisfies, with its 0/1 values:
@@ -98,7 +120,8 @@ times the eviction LP), and the any-tier bound stands for it above that. Above
 paper's PFOO-U): the sum of all the gap constraints is one knapsack constraint (sum of s_i x len_i
 x_i <= sum of capacities), whose fractional optimum, filled greedily by w_i / (s_i len_i), bounds
 the LP from above; for prefetch, the knapsack of (U) alone (x + y counted as one variable), which
-bounds the any-tier LP and hence the prefetch LP.
+bounds the any-tier LP and hence the prefetch LP. (C), where asked, adds a row of two nonzeros
+per interval below another in its read.
 """
 
 from __future__ import annotations
@@ -116,6 +139,10 @@ log = logging.getLogger(__name__)
 # 0.8 s at 20,707 intervals, hover's train split at 300k GPU tokens with a 0.2 GB/s host link): it is
 # solved up to max_lp_intervals / PREFETCH_LP_COST intervals, above which the any-tier bound stands
 PREFETCH_LP_COST = 10
+
+# The state of the key before an interval's key in a read (intervals, point 4a): held by a running
+# request (a hit whatever the cache did), and never accessed before (a miss whatever it did)
+FREE, MISSED = -2, -1
 
 # An event of the abstract sequence: (is_admission, request index, prompt keys, their tokens as
 # read, output key or None, output tokens)
@@ -181,9 +208,12 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
     return budgets
 
 
-def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = None):
+def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = None,
+              closure_out: list | None = None):
     """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) in each gap);
-    `keys_out`, when given, receives each interval's key, in the intervals' order."""
+    `keys_out`, when given, receives each interval's key, in the intervals' order; `closure_out`
+    the prefix-closure pairs of point 4a: (interval, the interval of the key before it in the same
+    read), or (interval, -1) where that key cannot be a hit (its first access)."""
     events = list(events)
     size: dict = {}
     for _, _, keys, lens, out, out_tokens in events:
@@ -199,21 +229,31 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
     caps = np.empty(len(events), dtype=np.float64)
     for e, (admit, _, keys, lens, out, out_tokens) in enumerate(events):
         if admit:
+            before = None  # the previous key's interval in this read; FREE: certainly kept; MISSED: certainly not
             for k, t in zip(keys, lens):
                 if k in running:
                     free += t
+                    before = FREE
                     continue
                 p = last_finish.pop(k, None)
                 if p is not None and t > 0:
                     if size[k] == 0:
                         free += t
+                        before = FREE
                     else:
+                        if closure_out is not None and before is not None and before != FREE:
+                            closure_out.append((len(starts), before))
+                        before = len(starts)
                         starts.append(p)
                         ends.append(e - 1)
                         sizes.append(size[k])
                         weights.append(t)
                         if keys_out is not None:
                             keys_out.append(k)
+                elif p is None:  # never accessed: no cache holds it, nor anything below it
+                    before = MISSED
+                else:  # read with no tokens (a pruned call): no constraint through it
+                    before = None
             for k in keys:
                 held = running.get(k, 0)
                 if not held:
@@ -289,12 +329,13 @@ def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0,
 
 
 def eviction_solution(events: Iterable[Event], capacity: int, max_lp_intervals: int = 300_000):
-    """The eviction LP's intervals and its optimal x (point 4), for analyses of where its hits come
-    from (headroom.py): (free tokens, starts, ends, sizes, weights, keys, x); x is None above
+    """The eviction LP's intervals and its optimal x (points 4, 4a), for analyses of where its hits
+    come from (headroom.py): (free tokens, starts, ends, sizes, weights, keys, x); x is None above
     `max_lp_intervals` or if HiGHS fails."""
     keys: list = []
-    free, a, b, s, w, caps = intervals(events, capacity, keys)
-    solved = _eviction_lp(a, b, s, w, caps) if 0 < len(a) <= max_lp_intervals else None
+    closure: list = []
+    free, a, b, s, w, caps = intervals(events, capacity, keys, closure)
+    solved = _eviction_lp(a, b, s, w, caps, closure) if 0 < len(a) <= max_lp_intervals else None
     x = solved[3] if solved is not None else (np.zeros(0) if len(a) == 0 else None)
     return free, a, b, s, w, keys, x
 
@@ -430,17 +471,38 @@ def _solve(cost, blocks, n_rows: int, n_cols: int, upper, a_ub=None, b_ub=None):
     return (None if res.status != 0 else -float(res.fun)), nonzeros, res.x
 
 
-def _eviction_lp(a, b, s, w, caps):
-    """(value, rows, nonzeros, x) of the eviction LP (point 4) with capacities `caps`; None if HiGHS fails."""
+def _closure_rows(closure, n_cols: int, upper: np.ndarray):
+    """(C) of point 4a as rows `A x <= 0`: x_child - x_parent, a row per pair of `closure` (child
+    interval, parent interval); a child whose parent is MISSED gets upper bound 0 in `upper`
+    instead. None when no row is left."""
+    from scipy.sparse import coo_matrix
+
+    pairs = np.asarray(closure, dtype=np.int64).reshape(-1, 2)
+    missed = pairs[:, 1] == MISSED
+    upper[pairs[missed, 0]] = 0.0
+    pairs = pairs[~missed]
+    m = len(pairs)
+    if not m:
+        return None
+    rows = np.tile(np.arange(m), 2)
+    vals = np.concatenate([np.ones(m), -np.ones(m)])
+    return coo_matrix((vals, (rows, pairs.T.ravel())), shape=(m, n_cols)).tocsr()
+
+
+def _eviction_lp(a, b, s, w, caps, closure=()):
+    """(value, rows, nonzeros, x) of the eviction LP (points 4, 4a) with capacities `caps`; None if HiGHS fails."""
     n = len(a)
     block, seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
     n_seg = len(seg_caps)
-    value, nonzeros, solution = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg,
-                                       np.concatenate([np.ones(n), seg_caps]))
+    upper = np.concatenate([np.ones(n), seg_caps])
+    prefix = _closure_rows(closure, n + n_seg, upper)
+    value, nonzeros, solution = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg, upper,
+                                       prefix, None if prefix is None else np.zeros(prefix.shape[0]))
     if value is None:
         return None
     # HiGHS's optimality tolerances are relative (1e-7): add a margin so rounding can only loosen it
-    return value + 1e-6 * float(w.sum()), n_seg, nonzeros, solution[:n]
+    rows = n_seg + (0 if prefix is None else prefix.shape[0])
+    return value + 1e-6 * float(w.sum()), rows, nonzeros, solution[:n]
 
 
 def _prefetch_lp(a, b, s, w, caps, union_caps, budgets):

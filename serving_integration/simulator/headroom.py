@@ -12,8 +12,10 @@ the run is
     \Delta = \sum_i w_i (x_i - h_i),
 
 the LP's interval hits less the run's (the free hits of running requests are left out: the bound
-counts them all, the run misses the few that were private copies). :math:`\Delta` is split three
-ways, each summing to it:
+counts them all, the run misses the few that were private copies). The LP solved here keeps prefix
+closure (bound.py, point 4a: a key counts only as far as the key before it in the read is kept), as
+a radix cache's hits do; where every key is read at its full size its value is the bound's.
+:math:`\Delta` is split three ways, each summing to it:
 
 - by reuse distance in time: the seconds from the finish at :math:`p` to the admission at
   :math:`b`, in the bins of ``DISTANCE_EDGES_S``;
@@ -21,11 +23,6 @@ ways, each summing to it:
   finish to its next call's issue), queued (issued, not admitted), running (one of its calls
   admitted, not finished), or not started (before its first call was issued: a prefix that
   another workflow left); each interval's term is split by the share of its time in each;
-- apart from :math:`\Delta`, how much of it the LP owes to dropping prefix closure: the LP may
-  keep a key without the prefix above it, which no radix cache can use; its solution made
-  prefix-closed (each read keeping the least :math:`x` over the interval keys above it in its
-  prompt; ``headroom_closed_hit_rate``) is what remains of its hits once that is asked (one
-  solution's projection, not a bound);
 - and how many workflows keep cache: at each gap between events, the
   reading workflows of the kept intervals that span it (the run's: :math:`h_i = 1`; the LP's:
   :math:`x_i \ge 1/2`), counted once each, averaged over the gaps. Fewer workflows kept by the LP
@@ -57,7 +54,6 @@ def headroom_fields(servers) -> dict:
         return {}
     prompt = sum(s.counters.prompt_tokens for s in servers) or 1
     fields = {"headroom_bound_hit_rate": sum(p["lp_tokens"] for p in parts) / prompt,
-              "headroom_closed_hit_rate": sum(p["closed_tokens"] for p in parts) / prompt,
               "headroom_run_hit_rate": sum(p["run_tokens"] for p in parts) / prompt}
     for i, name in enumerate(DISTANCE_BINS):
         fields[f"headroom_reuse_{name}"] = float(sum(p["by_distance"][i] for p in parts)) / prompt
@@ -87,37 +83,9 @@ def server_headroom(trace, capacity: int) -> dict | None:
         for phase, share in _phase_shares(timelines[r.wf.id], t0, t1).items():
             by_phase[phase] += d * share
     workflow = [r.wf.id for r in readers]
-    closed = _prefix_closed(events, ends, keys, x)
-    return {"lp_tokens": float(weights @ x), "closed_tokens": float(weights @ closed),
-            "run_tokens": float(weights @ hit), "by_distance": by_distance,
+    return {"lp_tokens": float(weights @ x), "run_tokens": float(weights @ hit), "by_distance": by_distance,
             "by_phase": by_phase, "kept_lp": _kept_workflows(starts, ends, workflow, x >= 0.5, len(events)),
             "kept_run": _kept_workflows(starts, ends, workflow, hit > 0, len(events))}
-
-
-def _prefix_closed(events, ends, keys, x) -> np.ndarray:
-    """The LP's solution made prefix-closed: each read keeps min(x) over the interval keys before it
-    in its prompt (keys a running request holds do not constrain; a first access, never cached,
-    cuts the rest). A radix cache hits a key only below a hit prefix; the LP does not ask that, so
-    the distance between its hits and these is what that relaxation adds to the bound."""
-    at = {(int(e) + 1, k): i for i, (e, k) in enumerate(zip(ends, keys))}  # (reading admission, key) -> interval
-    closed = np.zeros(len(x))
-    seen: set = set()
-    for e, (admit, _, prompt, _, out, _) in enumerate(events):
-        if admit:
-            keep = 1.0
-            for k in prompt:
-                i = at.get((e, k))
-                if i is not None:
-                    keep = min(keep, float(x[i]))
-                    closed[i] = keep
-                elif k not in seen:  # never cached before: a miss, and so is every key below it
-                    keep = 0.0
-            seen.update(prompt)
-        else:
-            seen.update(prompt)
-            if out is not None:
-                seen.add(out)
-    return closed
 
 
 def _read_on_gpu(request, key) -> bool:

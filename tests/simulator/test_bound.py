@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
-from serving_integration.simulator.bound import PREFETCH_LP_COST, _prefetch_lp, intervals, upper_bound, upper_bounds
+from serving_integration.simulator.bound import (MISSED, PREFETCH_LP_COST, _eviction_lp, _prefetch_lp,
+                                                 eviction_solution, intervals, upper_bound, upper_bounds)
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
@@ -100,6 +101,116 @@ def test_bound_is_at_least_the_exact_optimum():
         assert cheap.method in ("pfoo_u", "lp") and cheap.hit_tokens >= lp.hit_tokens - 1e-4  # (the LP adds a tolerance margin)
         tight += abs(lp.hit_tokens - exact) < 1e-3
     assert tight > 150  # and it is not a trivial bound: mostly it is the optimum itself
+
+
+def prefix_optimum(events, capacity, size) -> int:
+    """exact_optimum where a read hits only the longest prefix of its keys that is cached or held by
+    a running request, as a radix cache's match does (point 4a)."""
+    held = [running_state(events, e) for e in range(len(events))]
+    before = [(set(), 0)] + held[:-1]
+
+    @lru_cache(maxsize=None)
+    def best(e: int, cached: frozenset) -> int:
+        if e == len(events):
+            return 0
+        admit, _, keys, lens, out, _ = events[e]
+        gain = 0
+        for k, t in zip(keys, lens) if admit else ():
+            if k not in cached and k not in before[e][0]:
+                break
+            gain += t
+        allowed = sorted(cached if admit else cached | set(keys) | ({out} if out is not None else set()))
+        running_keys, outputs = held[e]
+        return gain + max(best(e + 1, frozenset(keep)) for n in range(len(allowed) + 1)
+                          for keep in itertools.combinations(allowed, n)
+                          if sum(size[k] for k in set(keep) | running_keys) + outputs <= capacity)
+
+    return best(0, frozenset())
+
+
+def closed_lp(events, capacity) -> float:
+    """The eviction bound with prefix closure (C) (point 4a), as eviction_solution solves it."""
+    free, _, _, _, w, _, x = eviction_solution(events, capacity)
+    return free + float(w @ x) if len(w) else free
+
+
+def test_prefix_closure_cuts_a_key_kept_without_its_prefix():
+    # request 0 caches a, b (3 tokens each); request 1 fills the GPU with d; request 2 reads a, b.
+    # Beside d only 3 tokens fit: the LP without (C) may keep b alone, but b is a hit only below a
+    events = [(True, 0, ("a", "b"), (3, 3), None, 0), (False, 0, ("a", "b"), (3, 3), None, 0),
+              (True, 1, ("d",), (4,), None, 0), (False, 1, ("d",), (4,), None, 0),
+              (True, 2, ("a", "b"), (3, 3), None, 0), (False, 2, ("a", "b"), (3, 3), None, 0)]
+    closure: list = []
+    intervals(events, 7, closure_out=closure)
+    assert closure == [(1, 0)]  # b's interval below a's
+    assert closed_lp(events, 7) == pytest.approx(3, abs=1e-3)
+    # request 1 reads e, never accessed before, then a: a misses below it, however much room there is
+    events = [(True, 0, ("a",), (3,), None, 0), (False, 0, ("a",), (3,), None, 0),
+              (True, 1, ("e", "a"), (1, 3), None, 0), (False, 1, ("e", "a"), (1, 3), None, 0)]
+    closure = []
+    intervals(events, 10, closure_out=closure)
+    assert closure == [(0, MISSED)]
+    assert upper_bound(events, 10).hit_tokens == pytest.approx(3, abs=1e-3)  # without (C): a kept
+    assert closed_lp(events, 10) == pytest.approx(0, abs=1e-3)
+
+
+def test_prefix_closure_is_a_valid_cut_where_reads_are_not_prefix_chains():
+    """Random key orders (a key read after different keys): (C) lowers the LP in some instances,
+    never below the exact optimum of prefix-matching reads."""
+    rng = random.Random(3)
+    below = 0
+    for _ in range(200):
+        events, capacity, size = random_instance(rng, flush=True, slack=2)
+        closed = closed_lp(events, capacity)
+        loose = upper_bound(events, capacity).hit_tokens
+        assert prefix_optimum(events, capacity, size) - 1e-9 <= closed <= loose + 1e-6, (events, capacity)
+        below += closed < loose - 1e-3
+    assert below > 20
+
+
+def chain_instance(rng: random.Random):
+    """Requests that read root paths of a small tree of units (each key a prefix: its identity is
+    its path), and leave an output below their last key; every key always read at its full size."""
+    size: dict = {}
+
+    def key(path):
+        return size.setdefault(path, rng.randint(1, 4)) and path
+
+    requests = []
+    for _ in range(rng.randint(3, 10)):
+        depth = rng.randint(1, 4)
+        path = tuple(rng.randint(0, 1) for _ in range(depth))
+        keys = tuple(key(path[: i + 1]) for i in range(depth))
+        out = key(path + (2,)) if rng.random() < 0.5 else None
+        requests.append((keys, tuple(size[k] for k in keys), out, size[out] if out is not None else 0))
+    events, waiting, running = [], list(range(len(requests))), []
+    while waiting or running:
+        if waiting and (not running or rng.random() < 0.5):
+            r = waiting.pop(0)
+            running.append(r)
+            events.append((True, r, requests[r][0], requests[r][1], None, requests[r][3]))
+        else:
+            r = running.pop(rng.randrange(len(running)))
+            events.append((False, r, *requests[r]))
+    need = max(sum(size[k] for k in keys) + outs for keys, outs in (running_state(events, e) for e in range(len(events))))
+    return events, need + rng.randint(0, 4)
+
+
+def test_prefix_closure_leaves_the_bound_unchanged_on_prefix_chains():
+    """Point 4a: where every key is read at its full size and a key's identity is its prefix, the
+    LP with (C) has the optimum of the LP without it, at every capacity."""
+    rng = random.Random(4)
+    open_solutions = 0
+    for _ in range(300):
+        events, capacity = chain_instance(rng)
+        closure: list = []
+        free, a, b, s, w, caps = intervals(events, capacity, closure_out=closure)
+        assert (w == s).all() and all(parent != MISSED for _, parent in closure)
+        assert closed_lp(events, capacity) == pytest.approx(upper_bound(events, capacity).hit_tokens, abs=1e-4)
+        if closure:  # the LP without (C) found an optimum that keeps a key beyond its prefix
+            x = _eviction_lp(a, b, s, w, caps)[3]
+            open_solutions += any(x[child] > x[parent] + 1e-6 for child, parent in closure)
+    assert open_solutions >= 5  # 10 of these 300: the equality is not the LP finding a closed optimum by chance
 
 
 def test_first_reads_miss_and_running_reads_are_free():

@@ -7,10 +7,10 @@ import pytest
 from data.generators import WORKLOADS
 from serving_integration.cache.predictions import PerfectSource, vocabulary
 from serving_integration.cache.workload import SimWorkflow, workflows_from_rows
-from serving_integration.simulator.bound import eviction_solution, intervals, sequence_from_trace
+from serving_integration.simulator.bound import MISSED, eviction_solution, intervals, sequence_from_trace, upper_bound
 from serving_integration.simulator.engine import SimConfig, Simulator
 from serving_integration.simulator.headroom import (DISTANCE_BINS, PHASES, _kept_workflows, _phase_shares,
-                                                    _prefix_closed, _read_on_gpu, headroom_fields, server_headroom)
+                                                    _read_on_gpu, headroom_fields, server_headroom)
 from tests.simulator.test_simulator import H100 as COST
 
 
@@ -29,18 +29,23 @@ def test_the_runs_hits_are_a_feasible_point_of_the_lp(hover, policy, host):
     server = sim.servers[0]
     events = sequence_from_trace(server.trace)
     free, a, b, s, w, keys, x = eviction_solution(events, server.tree.gpu_capacity)
-    caps = intervals(events, server.tree.gpu_capacity)[5]
+    closure: list = []
+    caps = intervals(events, server.tree.gpu_capacity, closure_out=closure)[5]
     hit = np.array([_read_on_gpu(server.trace[e + 1], k) for e, k in zip(b, keys)], dtype=float)
     assert 0 < hit.sum() < len(hit)  # a run under pressure: some intervals kept, some not
     load = np.zeros(len(caps) + 1)  # the run's kept intervals respect every gap's capacity (G)
     np.add.at(load, a, s * hit)
     np.add.at(load, b + 1, -s * hit)
     assert (np.cumsum(load)[:-1] <= caps + 1e-6).all()
-    assert (_prefix_closed(events, b, keys, hit) == hit).all()  # a radix cache's hits are prefix-closed already
-    closed = _prefix_closed(events, b, keys, x)
-    assert (closed <= x + 1e-12).all()  # the projection only takes away
+    pairs = np.array(closure).reshape(-1, 2)
+    below = pairs[pairs[:, 1] != MISSED]
+    assert len(below) > 0  # prefix closure (C) has rows here, and the run's hits satisfy them, as the LP's do
+    assert (hit[below[:, 0]] <= hit[below[:, 1]]).all() and (x[below[:, 0]] <= x[below[:, 1]] + 1e-6).all()
+    assert (hit[pairs[pairs[:, 1] == MISSED, 0]] == 0).all()
+    # bound.py, point 4a: on a trace whose keys are read at full size, (C) leaves the bound's optimum
+    assert (w == s).all() and free + w @ x == pytest.approx(upper_bound(events, server.tree.gpu_capacity).hit_tokens,
+                                                          rel=1e-5)
     found = server_headroom(server.trace, server.tree.gpu_capacity)
-    assert found["run_tokens"] - 1e-6 <= found["lp_tokens"] and found["closed_tokens"] <= found["lp_tokens"] + 1e-9
     assert found["lp_tokens"] >= found["run_tokens"] - 1e-6  # the LP's optimum is at least any feasible point
     delta = found["lp_tokens"] - found["run_tokens"]
     assert sum(found["by_distance"]) == pytest.approx(delta, abs=1e-6)
@@ -48,7 +53,7 @@ def test_the_runs_hits_are_a_feasible_point_of_the_lp(hover, policy, host):
     unit_hits = sum(sum(r.call.lens[:r.gpu_units]) for r in dict.fromkeys(server.trace))
     assert 0 <= unit_hits - found["run_tokens"] <= free + 1e-6  # the rest of the run's hits: running keys
     fields = headroom_fields(sim.servers)
-    assert set(fields) == {"headroom_bound_hit_rate", "headroom_closed_hit_rate", "headroom_run_hit_rate", "kept_workflows_bound",
+    assert set(fields) == {"headroom_bound_hit_rate", "headroom_run_hit_rate", "kept_workflows_bound",
                            "kept_workflows_run", *(f"headroom_reuse_{b}" for b in DISTANCE_BINS),
                            *(f"headroom_phase_{p}" for p in PHASES)}
 
@@ -58,17 +63,6 @@ def test_phase_shares_follow_the_workflows_timeline():
     assert _phase_shares(timeline, 2.0, 6.0) == pytest.approx({"running": 0.25, "tool": 0.5, "queued": 0.25})
     assert _phase_shares(timeline, -2.0, 0.0) == pytest.approx({"not_started": 1.0})
     assert _phase_shares(timeline, 4.0, 4.0) == {"tool": 1.0}  # no length: the phase it lies in
-
-
-def test_prefix_closure_cuts_below_a_dropped_or_never_cached_key():
-    # request 0 reads a, b, c (first reads) and caches them; request 1 reads a, b, c, d; request 2 reads e, a
-    events = [(True, 0, ("a", "b", "c"), (1, 1, 1), None, 0), (False, 0, ("a", "b", "c"), (1, 1, 1), None, 0),
-              (True, 1, ("a", "b", "c", "d"), (1, 1, 1, 1), None, 0),
-              (False, 1, ("a", "b", "c", "d"), (1, 1, 1, 1), None, 0), (True, 2, ("e", "a"), (1, 1), None, 0)]
-    ends, keys = np.array([1, 1, 1, 3]), ["a", "b", "c", "a"]  # a, b, c read at event 2; a read at event 4
-    x = np.array([1.0, 0.25, 1.0, 1.0])
-    # c keeps only min(1, 0.25, 1); a at event 4 comes after e, never cached before: cut to 0
-    assert _prefix_closed(events, ends, keys, x).tolist() == [1.0, 0.25, 0.25, 0.0]
 
 
 def test_kept_workflows_count_each_workflow_once_per_gap():
