@@ -34,7 +34,10 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
 3. Intervals that are free. If k is held by a running request r' at gap b - 1, then A_r' <= p
    and F_r' > b (both are accesses of k), so r' holds k through the whole interval: k is counted
    in L already and the hit costs nothing more (the bound counts it as a hit; in the run it may
-   have been a private copy and a miss, which only loosens the bound). An interval that starts at
+   have been a private copy and a miss, which only loosens the bound). But where no finish has
+   inserted k before b, no tier holds it (2), whatever private copies running requests hold:
+   the read is a miss for every policy, and counted so (a cold prefix that concurrent calls
+   each prefill, such as a system prompt before its first call finishes). An interval that starts at
    an admission always ends at the request's own finish or at a read while it still runs: free or
    hit-less. First accesses have no interval: always misses. No running request holds the key of
    any other interval in any of its gaps (such a request's admission or finish would lie inside).
@@ -49,8 +52,9 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
 4a. Prefix closure. A radix cache matches a prompt from the root: a read hits key k only if it
    also hits every key before k in the prompt (the match stops at the first unit it lacks, and its
    GPU part is a prefix: radix.RadixTree.match). Take the key j just before k in one
-   read at b, and k's interval i. If a running request holds j, it holds every key above j too:
-   no row. If j was never accessed before b, no tier holds it (2), so k is a miss: x_i = 0. If j
+   read at b, and k's interval i. If a running request holds j (and a finish inserted it), it
+   holds every key above j too: no row. If no finish inserted j before b, no tier holds it (2, 3),
+   so k is a miss: x_i = 0. If j
    has an interval i' ending at b, a hit on k means j stayed on the GPU through i' (2):
         (C)  x_i <= x_i'.
    Every run's 0/1 hits satisfy (C), so adding it keeps the bound. Where j is read with no tokens
@@ -59,7 +63,7 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
    every generated and imported trace; not in a pruned replay) that changes neither the eviction
    optimum nor the any-tier one (the same LP at capacity C + H - L(g)). Every access of k (a read,
    a finish) is an access of j too, so j's last access before b is no earlier than k's: i' lies
-   within i (and j is never MISSED). Along one read's linked keys k_1, k_2, ... (each the key before the next), the
+   within i (and a finish that inserted k inserted j: no MISSED parent). Along one read's linked keys k_1, k_2, ... (each the key before the next), the
    intervals all end at b - 1 and start no later the deeper they lie, so the keys whose interval
    spans a gap g are the deepest ones, from some depth d(g) on. Take any LP solution, and the
    total T = sum of s x over the chain: refilled from the top (k_1 up to x = 1, then k_2, ...), the
@@ -141,7 +145,7 @@ log = logging.getLogger(__name__)
 PREFETCH_LP_COST = 10
 
 # The state of the key before an interval's key in a read (intervals, point 4a): held by a running
-# request (a hit whatever the cache did), and never accessed before (a miss whatever it did)
+# request (a hit whatever the cache did), and never inserted by a finish (a miss whatever it did)
 FREE, MISSED = -2, -1
 
 # An event of the abstract sequence: (is_admission, request index, prompt keys, their tokens as
@@ -213,7 +217,7 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
     """(free hit tokens, starts p, ends b - 1, sizes, weights, capacity C - L(g) in each gap);
     `keys_out`, when given, receives each interval's key, in the intervals' order; `closure_out`
     the prefix-closure pairs of point 4a: (interval, the interval of the key before it in the same
-    read), or (interval, -1) where that key cannot be a hit (its first access)."""
+    read), or (interval, MISSED) where that key cannot be a hit (no finish inserted it)."""
     events = list(events)
     size: dict = {}
     for _, _, keys, lens, out, out_tokens in events:
@@ -224,6 +228,7 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
             size[out] = out_tokens
     running: dict = {}  # key -> running requests holding it
     last_finish: dict = {}  # key -> its latest access, when that was a finish
+    inserted: set = set()  # keys some finish has inserted: the only ones a cache can hold (point 3)
     load, free = 0, 0
     starts, ends, sizes, weights = [], [], [], []
     caps = np.empty(len(events), dtype=np.float64)
@@ -232,8 +237,11 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
             before = None  # the previous key's interval in this read; FREE: certainly kept; MISSED: certainly not
             for k, t in zip(keys, lens):
                 if k in running:
-                    free += t
-                    before = FREE
+                    if k in inserted:
+                        free += t
+                        before = FREE
+                    else:  # only private copies of it exist: a miss, and so is every key below it
+                        before = MISSED
                     continue
                 p = last_finish.pop(k, None)
                 if p is not None and t > 0:
@@ -250,7 +258,7 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
                         weights.append(t)
                         if keys_out is not None:
                             keys_out.append(k)
-                elif p is None:  # never accessed: no cache holds it, nor anything below it
+                elif p is None:  # never inserted: no cache holds it, nor anything below it
                     before = MISSED
                 else:  # read with no tokens (a pruned call): no constraint through it
                     before = None
@@ -270,9 +278,11 @@ def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = No
                     del running[k]
                     load -= size[k]
                 last_finish[k] = e
+            inserted.update(keys)
             load -= out_tokens
             if out is not None:
                 last_finish[out] = e
+                inserted.add(out)
         caps[e] = capacity - load
     return (free, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64),
             np.asarray(sizes, dtype=np.float64), np.asarray(weights, dtype=np.float64), np.maximum(caps, 0.0))

@@ -62,20 +62,42 @@ def running_state(events, e):
     return {k for keys, _ in live.values() for k in keys}, sum(o for _, o in live.values())
 
 
+def inserted_before(events) -> list[set]:
+    """Per event, the keys some earlier finish inserted (its prompt and output): the only keys a
+    cache can hold then."""
+    seen: set = set()
+    out = []
+    for admit, _, keys, _, key_out, _ in events:
+        out.append(set(seen))
+        if not admit:
+            seen.update(keys)
+            if key_out is not None:
+                seen.add(key_out)
+    return out
+
+
+def held_and_inserted(events) -> list[set]:
+    """Per event, the keys a running request holds that a finish inserted before: a read of one is a
+    hit (the cache may have kept the inserted copy, locked); one only held privately is a miss."""
+    held = [running_state(events, e)[0] for e in range(len(events))]
+    return [(held[e - 1] if e else set()) & inserted for e, inserted in enumerate(inserted_before(events))]
+
+
 def exact_optimum(events, capacity, size) -> int:
     """Most prompt-token hits over every choice of what stays cached after each event: a read hits
-    if its key is cached or held by a running request; the cache gains keys only when a request
-    finishes (its prompt and output); after every event the cached keys plus what running
-    requests hold fit the capacity. No prefix closure, no host tier: a relaxation of the simulator."""
+    if its key is cached, or held by a running request and inserted by an earlier finish; the cache
+    gains keys only when a request finishes (its prompt and output); after every event the cached
+    keys plus what running requests hold fit the capacity. No prefix closure, no host tier: a
+    relaxation of the simulator."""
     held = [running_state(events, e) for e in range(len(events))]
-    before = [(set(), 0)] + held[:-1]
+    free = held_and_inserted(events)
 
     @lru_cache(maxsize=None)
     def best(e: int, cached: frozenset) -> int:
         if e == len(events):
             return 0
         admit, _, keys, lens, out, _ = events[e]
-        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in before[e][0]) if admit else 0
+        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in free[e]) if admit else 0
         allowed = sorted(cached if admit else cached | set(keys) | ({out} if out is not None else set()))
         running_keys, outputs = held[e]
         options = []
@@ -107,7 +129,7 @@ def prefix_optimum(events, capacity, size) -> int:
     """exact_optimum where a read hits only the longest prefix of its keys that is cached or held by
     a running request, as a radix cache's match does (point 4a)."""
     held = [running_state(events, e) for e in range(len(events))]
-    before = [(set(), 0)] + held[:-1]
+    free = held_and_inserted(events)
 
     @lru_cache(maxsize=None)
     def best(e: int, cached: frozenset) -> int:
@@ -116,7 +138,7 @@ def prefix_optimum(events, capacity, size) -> int:
         admit, _, keys, lens, out, _ = events[e]
         gain = 0
         for k, t in zip(keys, lens) if admit else ():
-            if k not in cached and k not in before[e][0]:
+            if k not in cached and k not in free[e]:
                 break
             gain += t
         allowed = sorted(cached if admit else cached | set(keys) | ({out} if out is not None else set()))
@@ -213,15 +235,18 @@ def test_prefix_closure_leaves_the_bound_unchanged_on_prefix_chains():
     assert open_solutions >= 5  # 10 of these 300: the equality is not the LP finding a closed optimum by chance
 
 
-def test_first_reads_miss_and_running_reads_are_free():
-    # request 0 reads key 1 (first access: a miss); request 1 reads it while 0 runs (free);
-    # request 2 reads it after both finished, with no room to keep it (capacity = what 2 holds)
+def test_first_reads_miss_and_running_reads_are_free_once_inserted():
+    # request 0 reads key 1 (first access: a miss); request 1 reads it while 0 runs, before any
+    # finish inserted it (a miss: only 0's private copy exists); request 2 reads key 1 while 1 runs,
+    # after 0's finish inserted it (free); request 3 reads key 2, with no room to keep key 1
+    # (capacity = what 3 holds); request 4 reads key 1 again
     events = [(True, 0, (1,), (5,), None, 0), (True, 1, (1,), (5,), None, 0), (False, 0, (1,), (5,), None, 0),
-              (False, 1, (1,), (5,), None, 0), (True, 2, (2,), (5,), None, 0), (False, 2, (2,), (5,), None, 0),
-              (True, 3, (1,), (5,), None, 0), (False, 3, (1,), (5,), None, 0)]
+              (True, 2, (1,), (5,), None, 0), (False, 1, (1,), (5,), None, 0), (False, 2, (1,), (5,), None, 0),
+              (True, 3, (2,), (5,), None, 0), (False, 3, (2,), (5,), None, 0),
+              (True, 4, (1,), (5,), None, 0), (False, 4, (1,), (5,), None, 0)]
     free, starts, *_ = intervals(events, 5)
     assert free == 5 and len(starts) == 1
-    assert upper_bound(events, 5).hit_tokens == pytest.approx(5, abs=1e-3)  # request 2 takes all: key 1 goes
+    assert upper_bound(events, 5).hit_tokens == pytest.approx(5, abs=1e-3)  # request 3 takes all: key 1 goes
     assert upper_bound(events, 8).hit_tokens == pytest.approx(5 + 5 * 3 / 5, abs=1e-3)  # 3 tokens left: 3/5 of it
     assert upper_bound(events, 10).hit_tokens == pytest.approx(10, abs=1e-3)  # both fit: key 1 stays
 
@@ -232,11 +257,12 @@ def exact_with_host(events, capacity, size, host, pcie, either_tier: bool) -> in
     request's keys included) and what the GPU holds: keys it kept, plus keys it loads from the host
     during the gap that follows (at most pcie[e] tokens); GPU keys plus what running requests hold
     fit the capacity. A key enters the cache only when a request that read it finishes. A read hits
-    if its key is on the GPU or held by a running request, or, with `either_tier`, on the host.
+    if its key is on the GPU, or held by a running request and inserted before, or, with
+    `either_tier`, on the host.
     Choices that hold a subset of what another allowed choice holds are never better: only the
     maximal ones are searched."""
     held = [running_state(events, e) for e in range(len(events))]
-    before = [(set(), 0)] + held[:-1]
+    free = held_and_inserted(events)
 
     def maximal(sets):
         return [x for x in sets if not any(x < y for y in sets)]
@@ -250,7 +276,7 @@ def exact_with_host(events, capacity, size, host, pcie, either_tier: bool) -> in
             return 0
         admit, _, keys, lens, out, _ = events[e]
         cached = gpu | on_host if either_tier else gpu
-        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in before[e][0]) if admit else 0
+        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in free[e]) if admit else 0
         kept = gpu if admit else gpu | set(keys) | ({out} if out is not None else set())
         present = sorted(kept | on_host)
         running_keys, outputs = held[e]
