@@ -83,12 +83,13 @@ def held_and_inserted(events) -> list[set]:
     return [(held[e - 1] if e else set()) & inserted for e, inserted in enumerate(inserted_before(events))]
 
 
-def exact_optimum(events, capacity, size) -> int:
+def exact_optimum(events, capacity, size, prefix: bool = False) -> int:
     """Most prompt-token hits over every choice of what stays cached after each event: a read hits
     if its key is cached, or held by a running request and inserted by an earlier finish; the cache
     gains keys only when a request finishes (its prompt and output); after every event the cached
-    keys plus what running requests hold fit the capacity. No prefix closure, no host tier: a
-    relaxation of the simulator."""
+    keys plus what running requests hold fit the capacity. No host tier, and unless `prefix`, no
+    prefix closure (with it, a read hits only the longest prefix of its keys that would hit, as a
+    radix cache's match does: point 4a): a relaxation of the simulator."""
     held = [running_state(events, e) for e in range(len(events))]
     free = held_and_inserted(events)
 
@@ -97,7 +98,12 @@ def exact_optimum(events, capacity, size) -> int:
         if e == len(events):
             return 0
         admit, _, keys, lens, out, _ = events[e]
-        gain = sum(t for k, t in zip(keys, lens) if k in cached or k in free[e]) if admit else 0
+        gain = 0
+        for k, t in zip(keys, lens) if admit else ():
+            if k in cached or k in free[e]:
+                gain += t
+            elif prefix:
+                break
         allowed = sorted(cached if admit else cached | set(keys) | ({out} if out is not None else set()))
         running_keys, outputs = held[e]
         options = []
@@ -123,31 +129,6 @@ def test_bound_is_at_least_the_exact_optimum():
         assert cheap.method in ("pfoo_u", "lp") and cheap.hit_tokens >= lp.hit_tokens - 1e-4  # (the LP adds a tolerance margin)
         tight += abs(lp.hit_tokens - exact) < 1e-3
     assert tight > 150  # and it is not a trivial bound: mostly it is the optimum itself
-
-
-def prefix_optimum(events, capacity, size) -> int:
-    """exact_optimum where a read hits only the longest prefix of its keys that is cached or held by
-    a running request, as a radix cache's match does (point 4a)."""
-    held = [running_state(events, e) for e in range(len(events))]
-    free = held_and_inserted(events)
-
-    @lru_cache(maxsize=None)
-    def best(e: int, cached: frozenset) -> int:
-        if e == len(events):
-            return 0
-        admit, _, keys, lens, out, _ = events[e]
-        gain = 0
-        for k, t in zip(keys, lens) if admit else ():
-            if k not in cached and k not in free[e]:
-                break
-            gain += t
-        allowed = sorted(cached if admit else cached | set(keys) | ({out} if out is not None else set()))
-        running_keys, outputs = held[e]
-        return gain + max(best(e + 1, frozenset(keep)) for n in range(len(allowed) + 1)
-                          for keep in itertools.combinations(allowed, n)
-                          if sum(size[k] for k in set(keep) | running_keys) + outputs <= capacity)
-
-    return best(0, frozenset())
 
 
 def closed_lp(events, capacity) -> float:
@@ -185,7 +166,7 @@ def test_prefix_closure_is_a_valid_cut_where_reads_are_not_prefix_chains():
         events, capacity, size = random_instance(rng, flush=True, slack=2)
         closed = closed_lp(events, capacity)
         loose = upper_bound(events, capacity).hit_tokens
-        assert prefix_optimum(events, capacity, size) - 1e-9 <= closed <= loose + 1e-6, (events, capacity)
+        assert exact_optimum(events, capacity, size, prefix=True) - 1e-9 <= closed <= loose + 1e-6, (events, capacity)
         below += closed < loose - 1e-3
     assert below > 20
 
