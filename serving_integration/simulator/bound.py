@@ -49,29 +49,29 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
    optimum plus the free hits bounds its GPU hits. Dropping the host tier, page rounding and the
    order of evictions within an admission only enlarge the feasible set: the result stays an upper
    bound.
-4a. Prefix closure. A radix cache matches a prompt from the root: a read hits key k only if it
-   also hits every key before k in the prompt (the match stops at the first unit it lacks, and its
-   GPU part is a prefix: radix.RadixTree.match). Take the key j just before k in one
-   read at b, and k's interval i. If a running request holds j (and a finish inserted it), it
-   holds every key above j too: no row. If no finish inserted j before b, no tier holds it (2, 3),
-   so k is a miss: x_i = 0. If j
-   has an interval i' ending at b, a hit on k means j stayed on the GPU through i' (2):
+4a. Prefix closure. A radix cache matches a prompt from the root: a read hits key k only if it also
+   hits every key before k in the prompt (the match stops at the first unit it lacks, and its GPU
+   part is a prefix: radix.RadixTree.match). Take the key j just before k in one read at b, and k's
+   interval i. If a running request holds j (and a finish inserted it), it holds every key above j
+   too: no row. If no finish inserted j before b, no tier holds it (2, 3), so k is a miss: x_i = 0.
+   If j has an interval i' ending at b, a hit on k means j stayed on the GPU through i' (2):
         (C)  x_i <= x_i'.
-   Every run's 0/1 hits satisfy (C), so adding it keeps the bound. Where j is read with no tokens
-   (a pruned call) or has size 0, k gets no row: fewer rows only loosen.
+   Every run's 0/1 hits satisfy (C), so adding it keeps the bound. Where j is read with no tokens (a
+   pruned call) or has size 0, k gets no row: fewer rows only loosen.
    The three bounds leave (C) out, and where every key is read at its full size (w_i = s_i, as in
    every generated and imported trace; not in a pruned replay) that changes neither the eviction
-   optimum nor the any-tier one (the same LP at capacity C + H - L(g)). Every access of k (a read,
-   a finish) is an access of j too, so j's last access before b is no earlier than k's: i' lies
-   within i (and a finish that inserted k inserted j: no MISSED parent). Along one read's linked keys k_1, k_2, ... (each the key before the next), the
-   intervals all end at b - 1 and start no later the deeper they lie, so the keys whose interval
-   spans a gap g are the deepest ones, from some depth d(g) on. Take any LP solution, and the
-   total T = sum of s x over the chain: refilled from the top (k_1 up to x = 1, then k_2, ...), the
-   chain satisfies (C), its value sum w x = T is unchanged, and its load on g, T less at most the
-   full sizes above d(g), is no more than before (T less those keys' actual load). Chains share no
-   interval, so the refilled solution is feasible and optimal. (C) costs 4.5x the solve time
-   (hover, 1,000 workflows, 25,181 intervals, no host tier: 4.0 s against 0.9 s) and is asked
-   only where the solution's shape matters: `eviction_solution`, for headroom.py.
+   optimum nor the any-tier one (the same LP at capacity C + H - L(g)). Every access of k (a read, a
+   finish) is an access of j too, so j's last access before b is no earlier than k's: i' lies within
+   i (and a finish that inserted k inserted j: no MISSED parent). Along one read's linked keys k_1,
+   k_2, ... (each the key before the next), the intervals all end at b - 1 and start no later the
+   deeper they lie, so the keys whose interval spans a gap g are the deepest ones, from some depth
+   d(g) on. Take any LP solution, and the total T = sum of s x over the chain: refilled from the top
+   (k_1 up to x = 1, then k_2, ...), the chain satisfies (C), its value sum w x = T is unchanged,
+   and its load on g, T less at most the full sizes above d(g), is no more than before (T less those
+   keys' actual load). Chains share no interval, so the refilled solution is feasible and optimal.
+   (C) costs 4.5x the solve time (hover, 1,000 workflows, 25,181 intervals, no host tier: 4.0 s
+   against 0.9 s) and is asked only where the solution's shape matters: `eviction_solution`, for
+   headroom.py.
 5. With prefetch. A GPU hit at b whose key left the GPU inside its interval came back by a
    prefetch load (2): y_i in [0, 1], x_i + y_i <= 1 (a hit is one or the other). Every run with
    prefetch satisfies, with its 0/1 values:
