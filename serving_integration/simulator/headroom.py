@@ -12,10 +12,10 @@ the run is
     \Delta = \sum_i w_i (x_i - h_i),
 
 the LP's interval hits less the run's (the free hits of running requests are left out: the bound
-counts all those of inserted keys, the run misses those whose holder had a private copy). The LP solved here keeps prefix
-closure (bound.py, point 4a: a key counts only as far as the key before it in the read is kept), as
-a radix cache's hits do; where every key is read at its full size its value is the bound's.
-:math:`\Delta` is split three ways, each summing to it:
+counts all those of inserted keys, the run misses those whose holder had a private copy). The LP
+solved here keeps prefix closure (bound.py, point 4a: a key counts only as far as the key before
+it in the read is kept), as a radix cache's hits do; where every key is read at its full size its
+value is the bound's. :math:`\Delta` is split three ways, each summing to it:
 
 - by reuse distance in time: the seconds from the finish at :math:`p` to the admission at
   :math:`b`, in the bins of ``DISTANCE_EDGES_S``;
