@@ -180,7 +180,10 @@ def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
         if not values:
             continue
         if field == "gap":
-            norm, cmap, spec = Normalize(vmin=min(0.0, min(values)), vmax=max(1.0, max(values))), "viridis", "{:.0%}"
+            # a setting whose LRU sits near the bound turns a small loss into a large negative share:
+            # the colours stop at -100% (the cell still prints its number)
+            norm = Normalize(vmin=max(-1.0, min(0.0, min(values))), vmax=max(1.0, max(values)), clip=True)
+            cmap, spec = "viridis", "{:.0%}"
         else:
             spread = max(0.01, max(abs(v - 1) for v in values))
             norm, cmap, spec = TwoSlopeNorm(vcenter=1.0, vmin=1 - spread, vmax=1 + spread), "RdBu", "{:.2f}"
