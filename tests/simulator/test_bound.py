@@ -35,6 +35,13 @@ def random_instance(rng: random.Random, flush: bool = False, slack: int = 6, adm
     if flush:
         size[n_keys] = rng.randint(4, 8)
         requests.insert(rng.randint(1, len(requests) - 1), ((n_keys,), (size[n_keys],), None, 0))
+    events = interleave(rng, requests, admit)
+    return events, fitting_capacity(events, size) + rng.randint(0, slack), size
+
+
+def interleave(rng: random.Random, requests, admit: float) -> list:
+    """The requests' (keys, lens, output key, output tokens) admitted in order and finished in a
+    random interleaving: a waiting request is admitted next with probability `admit`."""
     events, waiting, running = [], list(range(len(requests))), []
     while waiting or running:
         if waiting and (not running or rng.random() < admit):
@@ -46,9 +53,12 @@ def random_instance(rng: random.Random, flush: bool = False, slack: int = 6, adm
             r = running.pop(rng.randrange(len(running)))
             keys, lens, out, out_tokens = requests[r]
             events.append((False, r, keys, lens, out, out_tokens))
-    held = [running_state(events, e) for e in range(len(events))]
-    need = max(sum(size[k] for k in keys) + outs for keys, outs in held)
-    return events, need + rng.randint(0, slack), size
+    return events
+
+
+def fitting_capacity(events, size) -> int:
+    """The least capacity that holds what the running requests hold after every event."""
+    return max(sum(size[k] for k in keys) + outs for keys, outs in (running_state(events, e) for e in range(len(events))))
 
 
 def running_state(events, e):
@@ -177,7 +187,8 @@ def chain_instance(rng: random.Random):
     size: dict = {}
 
     def key(path):
-        return size.setdefault(path, rng.randint(1, 4)) and path
+        size.setdefault(path, rng.randint(1, 4))
+        return path
 
     requests = []
     for _ in range(rng.randint(3, 10)):
@@ -186,17 +197,8 @@ def chain_instance(rng: random.Random):
         keys = tuple(key(path[: i + 1]) for i in range(depth))
         out = key(path + (2,)) if rng.random() < 0.5 else None
         requests.append((keys, tuple(size[k] for k in keys), out, size[out] if out is not None else 0))
-    events, waiting, running = [], list(range(len(requests))), []
-    while waiting or running:
-        if waiting and (not running or rng.random() < 0.5):
-            r = waiting.pop(0)
-            running.append(r)
-            events.append((True, r, requests[r][0], requests[r][1], None, requests[r][3]))
-        else:
-            r = running.pop(rng.randrange(len(running)))
-            events.append((False, r, *requests[r]))
-    need = max(sum(size[k] for k in keys) + outs for keys, outs in (running_state(events, e) for e in range(len(events))))
-    return events, need + rng.randint(0, 4)
+    events = interleave(rng, requests, 0.5)
+    return events, fitting_capacity(events, size) + rng.randint(0, 4)
 
 
 def test_prefix_closure_leaves_the_bound_unchanged_on_prefix_chains():
