@@ -58,7 +58,8 @@ def interleave(rng: random.Random, requests, admit: float) -> list:
 
 def fitting_capacity(events, size) -> int:
     """The least capacity that holds what the running requests hold after every event."""
-    return max(sum(size[k] for k in keys) + outs for keys, outs in (running_state(events, e) for e in range(len(events))))
+    held = (running_state(events, e) for e in range(len(events)))
+    return max(sum(size[k] for k in keys) + outs for keys, outs in held)
 
 
 def running_state(events, e):
