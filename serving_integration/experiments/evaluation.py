@@ -343,7 +343,7 @@ class Setting:
     def __init__(self, sim: SimConfig, cost, **labels):
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
-                       "replicas": sim.replicas, "routing": sim.routing,
+                       "replicas": sim.replicas, "routing": sim.routing, "scheduling": sim.scheduling,
                        "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss,
                        "hicache_ratio": sim.hicache_ratio, "gpu_working_set_fraction": sim.gpu_working_set_fraction}
 

@@ -94,7 +94,7 @@ def setting_of(r: dict) -> tuple:
 
 # the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
 WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
-          "cost_model", "hicache_ratio")
+          "cost_model", "hicache_ratio", "scheduling")
 
 
 def varying_keys(keys: list[tuple]) -> list[str]:
@@ -119,7 +119,8 @@ def common_settings(keys: list[tuple], varying: list[str]) -> str:
     if not keys:
         return ""
     at = dict(zip(SETTING, keys[0]))
-    defaults = {"end_signal_loss": (0, 0.0, None), "replicas": (1, None), "routing": ("none", None)}
+    defaults = {"end_signal_loss": (0, 0.0, None), "replicas": (1, None), "routing": ("none", None),
+                "scheduling": ("fcfs", None)}
     same = [in_words(k, at[k]) for k in WORDED if k not in varying and at[k] not in defaults.get(k, ())]
     return f"Every setting below: {', '.join(same)}." if same else ""
 
@@ -226,7 +227,8 @@ SETTING_NOTE = (
 # -------------------------------------------------------------------- claims: one operating point per workload, chosen on val
 
 # a configuration of a method: the knobs tuned on the validation split (memory point, K, gamma, prefetch)
-MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing")
+MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
+         "scheduling")
 
 
 def cell(r: dict, field: str, spec: str = "{:.2f}") -> str:

@@ -40,6 +40,7 @@ SETTING_WORDS = {  # how a heading says one setting key's value
     "routing": lambda v: f"{v} routing",
     "cost_model": lambda v: f"cost model {v}",
     "hicache_ratio": lambda v: "host tier n/a" if v is None else "no host tier" if not v else f"host tier {v:g}x GPU",
+    "scheduling": lambda v: f"{v} admission",
 }
 
 

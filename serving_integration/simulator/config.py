@@ -21,7 +21,7 @@ from serving_integration.cache.config import RouterConfig
 from serving_integration.simulator.cost_model import CostModel
 
 
-SCHEDULING = ("fcfs", "program_fcfs")
+SCHEDULING = ("fcfs", "program_fcfs", "lpm")
 
 
 def _routers():
@@ -50,8 +50,9 @@ class SimConfig:
     n_workflows: Optional[int] = knob(None, "evaluate.py replays at most this many workflows of the split "
                                       "(null: all)", at_least(1))
     replicas: int = knob(1, "servers behind the router; gpu_tokens is split evenly among them", at_least(1))
-    scheduling: str = knob("fcfs", "admission order: fcfs (SGLang's: by call arrival), program_fcfs (Continuum's: "
-                           "by the program's, i.e. the workflow's, start)", one_of(SCHEDULING))
+    scheduling: str = knob("fcfs", "admission order: fcfs (SGLang's default: by call arrival), program_fcfs "
+                           "(Continuum's: by the program's, i.e. the workflow's, start), lpm (SGLang's "
+                           "--schedule-policy lpm: the longest cached prefix first)", one_of(SCHEDULING))
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

@@ -63,6 +63,10 @@ from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.cache.router import make_router
 
+# SGLang's lpm schedule policy's constants (managers/schedule_policy.py, 0.5.23)
+LPM_QUEUE_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: above it, no matching and no sort
+LPM_IN_BATCH_TOKENS = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
+
 log = logging.getLogger(__name__)
 
 
@@ -288,6 +292,9 @@ class Server:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
+        if self.config.scheduling == "lpm" and self.waiting and \
+                len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
+            self._longest_prefix_first()
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
             if not self.try_admit(self.waiting[0]):
                 return
@@ -296,6 +303,40 @@ class Server:
             self.trace.append(request)
             self.prefilling.append(request)
             self.running[request.wf.id] = request
+
+    def _longest_prefix_first(self) -> None:
+        """SGLang's lpm schedule policy (0.5.23, managers/schedule_policy.py), run where SGLang runs
+        it, before each admission pass: every waiting call is matched in the tree (which marks its
+        path accessed, as SGLang's match does) and the queue is sorted, stably, by the cached
+        prefix (GPU + host tokens) longest first. In-batch prefix caching: a call with at most
+        LPM_IN_BATCH_TOKENS of its prompt on GPU that shares at least that many tokens with a
+        waiting call before it (in the queue's current order) goes last, so that one of them
+        prefills the shared prefix for the others. Above LPM_QUEUE_MAX waiting calls SGLang skips
+        the matching and the queue keeps its order."""
+        waiting, tree = self.waiting, self.tree
+        if len(waiting) > LPM_QUEUE_MAX:
+            return
+        in_batch: set[int] = set()  # prefix keys of the waiting prompts SGLang's in-batch tree holds
+        ranks = []
+        for r in waiting:
+            call = r.call
+            path = tree.match(call.units, call.lens)
+            matched = sum(call.lens[:sum(len(n.units) for n in path)])
+            on_gpu = sum(call.lens[:sum(len(n.units) for n in path if n.on_gpu)])
+            deprioritized = False
+            if on_gpu <= LPM_IN_BATCH_TOKENS:
+                shared = 0
+                for key, n in zip(call.keys, call.lens):
+                    if key not in in_batch:
+                        break
+                    shared += n
+                deprioritized = shared >= LPM_IN_BATCH_TOKENS
+                if not deprioritized:
+                    in_batch.update(call.keys)
+            # SGLang counts at most the prompt less its last token as matched
+            ranks.append(INF if deprioritized else -min(matched, call.prompt_tokens - 1))
+        order = sorted(range(len(waiting)), key=ranks.__getitem__)
+        self.waiting = deque(waiting[i] for i in order)
 
     def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
@@ -311,12 +352,14 @@ class Server:
         need = sum(n.num_tokens for n in path if not n.on_gpu) + miss + call.output_tokens
         if path:
             tree.lock(path[-1])  # before evicting, so the request's own prefix stays
-        if tree.gpu_free() < need:
-            tree.evict_gpu(need - tree.gpu_free())
-        if tree.gpu_free() < need:
+        if tree.gpu_free() + tree.gpu_evictable_tokens() < need:
+            # SGLang's PrefillAdder checks free + evictable tokens first and evicts only for a
+            # request it admits: one that cannot fit leaves the cache as it was
             if path:
                 tree.unlock(path[-1])
             return False
+        if tree.gpu_free() < need:
+            tree.evict_gpu(need - tree.gpu_free())
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private

@@ -82,6 +82,7 @@ class RadixTree:
         self.gpu_used = 0  # tokens of tree nodes on the GPU
         self.host_used = 0
         self.private_gpu = 0  # tokens held by running requests outside the tree
+        self.gpu_locked = 0  # tokens of locked GPU nodes (what gpu_evictable_tokens leaves out)
         self._gpu_heap: list = []
         self._host_heap: list = []
         self._dirty: dict[Node, None] = {}  # nodes refreshed since the last flush, latest refresh last
@@ -304,6 +305,8 @@ class RadixTree:
         node.on_gpu = on
         delta = 1 if on else -1
         self.gpu_used += delta * node.num_tokens
+        if node.lock_ref:  # a locked host-only node of a matched path, loaded back
+            self.gpu_locked += delta * node.num_tokens
         parent = node.parent
         assert parent is not None, f"{node} is not in the tree"
         parent.gpu_children += delta
@@ -334,6 +337,12 @@ class RadixTree:
 
     def gpu_free(self) -> int:
         return self.gpu_capacity - self.gpu_used - self.private_gpu
+
+    def gpu_evictable_tokens(self) -> int:
+        """GPU tokens an eviction could free: those of unlocked nodes (a lock covers a node's
+        ancestors, so an unlocked node's subtree is unlocked and leaves first, whole). SGLang's
+        `evictable_size()`, which its scheduler adds to the free tokens before admitting."""
+        return self.gpu_used - self.gpu_locked
 
     def evict_gpu(self, tokens: int, allow: Callable[[Node], bool] | None = None) -> list[Node]:
         """Evict whole nodes in policy order until `tokens` are freed; `allow` can veto a node
@@ -388,6 +397,8 @@ class RadixTree:
         while node is not self.root:
             node.lock_ref += 1
             if node.lock_ref == 1:
+                if node.on_gpu:
+                    self.gpu_locked += node.num_tokens
                 self.refresh(node)
             parent = node.parent
             assert parent is not None, f"{node} is not in the tree"
@@ -397,6 +408,8 @@ class RadixTree:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
+                if node.on_gpu:
+                    self.gpu_locked -= node.num_tokens
                 self.refresh(node)
             parent = node.parent
             assert parent is not None, f"{node} is not in the tree"
@@ -424,9 +437,10 @@ def audit(tree: RadixTree) -> None:
     residency closed under parents, locks only on the GPU, and a valid heap entry for exactly
     the evictable nodes (once the pending refreshes are entered)."""
     tree._flush()
-    gpu = host = 0
+    gpu = host = locked = 0
     for node in tree.nodes():
         gpu += node.num_tokens * node.on_gpu
+        locked += node.num_tokens * (node.on_gpu and node.lock_ref > 0)
         host += node.num_tokens * node.on_host
         assert node.on_gpu or node.on_host, f"{node} is on neither tier"
         assert not node.on_gpu or (node.parent is not None and node.parent.on_gpu), f"{node} is on the GPU but its parent is not"
@@ -437,5 +451,6 @@ def audit(tree: RadixTree) -> None:
         assert tree.by_id[node.id] is node
     assert gpu == tree.gpu_used, f"GPU tokens {gpu} != accounted {tree.gpu_used}"
     assert host == tree.host_used, f"host tokens {host} != accounted {tree.host_used}"
+    assert locked == tree.gpu_locked, f"locked GPU tokens {locked} != accounted {tree.gpu_locked}"
     assert tree.gpu_used + tree.private_gpu <= tree.gpu_capacity, "GPU capacity exceeded"
     assert tree.host_used <= tree.host_capacity, "host capacity exceeded"

@@ -3,7 +3,7 @@ the event loop, the scheduler, a policy or a predictor that moves any decision c
 
 Each case replays a small generated workload (a few hundred calls, milliseconds) under one
 policy, prefetch mode, end-signal setting and cluster shape; together they pass through every
-path of serving_integration/simulator/engine.py (admission, chunked prefill, decode runs cut at
+path of serving_integration/simulator/engine.py (admission in arrival and in lpm order, chunked prefill, decode runs cut at
 the next event, idle-time and decode-time prefetch, delayed and lost end signals, the inactivity
 timeout of finished and of live workflows, charged predictor time, the oracle's future index, two
 replicas behind each router). Counts are compared exactly, and so are the float metrics: the
@@ -46,6 +46,7 @@ def sources(kind: str, workflows):
 # name -> (workload, workflows, workload seed, SimConfig fields, simulate() arguments; "predictions" names a source)
 CASES = {
     "lru": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6), dict(policy="lru")),
+    "lru_lpm": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, scheduling="lpm"), dict(policy="lru")),
     "lfu_page16": ("swebench", 8, 1, dict(gpu_tokens=120_000, concurrency=4, page_size=16), dict(policy="lfu")),
     "kvflow_aggressive": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
                           dict(policy="kvflow_ideal", prefetch="aggressive", predictions="step_graph")),
@@ -81,11 +82,11 @@ def replay(name: str) -> dict:
 
 GOLDEN = {  # recorded from the code of the commit that added this test
     'kvflow_aggressive': {
-        'gpu_hit_tokens': 355339, 'host_hit_tokens': 120027, 'prompt_tokens': 1059700, 'recomputed_tokens': 94508,
-        'prefetched_tokens': 222205, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
-        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.15636636303282,
-        'p99_workflow_latency_s': 87.66543276462893, 'mean_ttft_s': 0.5702886756478391, 'throughput_calls_per_s':
-        1.1081858995737641, 'time_queue_s': 2.3390566482161144, 'time_pcie_s': 0.1280962
+        'gpu_hit_tokens': 356993, 'host_hit_tokens': 118373, 'prompt_tokens': 1059700, 'recomputed_tokens': 94508,
+        'prefetched_tokens': 201148, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.154381563032814,
+        'p99_workflow_latency_s': 87.66093388462893, 'mean_ttft_s': 0.5702531535001881, 'throughput_calls_per_s':
+        1.1082295251876653, 'time_queue_s': 2.3383950482161153, 'time_pcie_s': 0.126773
     },
     'lfu_page16': {
         'gpu_hit_tokens': 311760, 'host_hit_tokens': 43392, 'prompt_tokens': 704577, 'recomputed_tokens': 0,
@@ -101,19 +102,26 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         'p99_workflow_latency_s': 88.07531751603695, 'mean_ttft_s': 0.5686652289627924, 'throughput_calls_per_s':
         1.0489330055665738, 'time_queue_s': 2.045059835557584, 'time_pcie_s': 0.2017753999999999
     },
+    'lru_lpm': {
+        'gpu_hit_tokens': 185105, 'host_hit_tokens': 187778, 'prompt_tokens': 1059700, 'recomputed_tokens': 196991,
+        'prefetched_tokens': 0, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0, 'live_timeouts':
+        0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.549306893600956,
+        'p99_workflow_latency_s': 89.4248390800368, 'mean_ttft_s': 0.5844117103631896, 'throughput_calls_per_s':
+        1.0590137489783362, 'time_queue_s': 2.2236907481494583, 'time_pcie_s': 0.20663719999999985
+    },
     'lru_prefetch_last_call': {
-        'gpu_hit_tokens': 187988, 'host_hit_tokens': 173933, 'prompt_tokens': 1059700, 'recomputed_tokens': 207953,
-        'prefetched_tokens': 78688, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0,
-        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.73714476035948,
-        'p99_workflow_latency_s': 88.06925351603695, 'mean_ttft_s': 0.5685066249359468, 'throughput_calls_per_s':
-        1.0491075403410266, 'time_queue_s': 2.044563835557584, 'time_pcie_s': 0.19433139999999996
+        'gpu_hit_tokens': 187988, 'host_hit_tokens': 178215, 'prompt_tokens': 1059700, 'recomputed_tokens': 203671,
+        'prefetched_tokens': 39957, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.63679400985109,
+        'p99_workflow_latency_s': 87.80165151468124, 'mean_ttft_s': 0.563118665177107, 'throughput_calls_per_s':
+        1.0510879825227952, 'time_queue_s': 2.01111358538812, 'time_pcie_s': 0.197757
     },
     'oracle_conservative': {
-        'gpu_hit_tokens': 328400, 'host_hit_tokens': 201063, 'prompt_tokens': 1059700, 'recomputed_tokens': 40411,
-        'prefetched_tokens': 62665, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
-        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 41.80901053370227,
-        'p99_workflow_latency_s': 84.18517650063846, 'mean_ttft_s': 0.4959845337591488, 'throughput_calls_per_s':
-        1.1396599601636517, 'time_queue_s': 2.0787141992509666, 'time_pcie_s': 0.20142540000000014
+        'gpu_hit_tokens': 297172, 'host_hit_tokens': 232291, 'prompt_tokens': 1059700, 'recomputed_tokens': 40411,
+        'prefetched_tokens': 23716, 'predictor_calls': 130, 'ended_by_signal': 16, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 41.847394583732125,
+        'p99_workflow_latency_s': 84.29933650063843, 'mean_ttft_s': 0.4973151481269871, 'throughput_calls_per_s':
+        1.138789544611489, 'time_queue_s': 2.086074647418128, 'time_pcie_s': 0.2325582000000001
     },
     'pbkv_aggressive_lost_signals': {
         'gpu_hit_tokens': 229876, 'host_hit_tokens': 77995, 'prompt_tokens': 656697, 'recomputed_tokens': 0,
@@ -123,11 +131,11 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         1.303752889619508, 'time_queue_s': 0.18177119061974778, 'time_pcie_s': 0.08134299999999997
     },
     'pbkv_conservative_online': {
-        'gpu_hit_tokens': 324285, 'host_hit_tokens': 154057, 'prompt_tokens': 1059700, 'recomputed_tokens': 91532,
-        'prefetched_tokens': 209684, 'predictor_calls': 146, 'ended_by_signal': 15, 'ended_by_timeout': 0,
-        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.059902299872114,
-        'p99_workflow_latency_s': 87.72660803664321, 'mean_ttft_s': 0.5608620608294707, 'throughput_calls_per_s':
-        1.1126519175415306, 'time_queue_s': 2.2954002727311007, 'time_pcie_s': 0.16193860000000002
+        'gpu_hit_tokens': 283697, 'host_hit_tokens': 194645, 'prompt_tokens': 1059700, 'recomputed_tokens': 91532,
+        'prefetched_tokens': 89569, 'predictor_calls': 146, 'ended_by_signal': 15, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.10860789987211,
+        'p99_workflow_latency_s': 87.8564896366432, 'mean_ttft_s': 0.5623188496939535, 'throughput_calls_per_s':
+        1.1115738176779904, 'time_queue_s': 2.3043742727311, 'time_pcie_s': 0.20167020000000005
     },
     'pbkv_lae_end_delay': {
         'gpu_hit_tokens': 183945, 'host_hit_tokens': 219472, 'prompt_tokens': 1059700, 'recomputed_tokens': 166457,

@@ -170,6 +170,63 @@ def test_program_fcfs_admits_the_earliest_started_program_first():
         assert [r.wf.id for r in server.waiting] == order, scheduling
 
 
+def cached(server: Server, units: tuple, lens: tuple) -> None:
+    """Put a finished prompt's KV in the server's tree (the caller's private tokens, inserted)."""
+    server.tree.private_gpu += sum(lens)
+    server.tree.insert(units, lens)
+    server.tree.private_gpu -= sum(lens)
+
+
+def waiting_call(server: Server, name: str, units: tuple, lens: tuple, at: float) -> None:
+    call = SimCall("coder", units, lens, prefix_keys(units), f"{name}/out", 10, 0.0, None)
+    server.receive(at, SimWorkflow(name, 0, "task", [call]), ())
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_defers_a_shared_uncached_one():
+    """sim.scheduling=lpm (SGLang's): before admitting, the queue is sorted by cached prefix tokens,
+    longest first, stably; of two calls with almost nothing cached that share 32+ tokens, the later
+    one goes last (SGLang's in-batch prefix caching); fcfs keeps arrival order."""
+    for scheduling, order in (("fcfs", ["none", "short", "long", "twin_a", "twin_b"]),
+                              ("lpm", ["long", "short", "none", "twin_a", "twin_b"])):
+        config = SimConfig(gpu_tokens=100_000, scheduling=scheduling, max_running_requests=1)
+        server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+        cached(server, ("sys", "doc"), (100, 400))
+        waiting_call(server, "none", ("other",), (300,), 1.0)
+        waiting_call(server, "short", ("sys", "q1"), (100, 50), 2.0)
+        waiting_call(server, "long", ("sys", "doc", "q2"), (100, 400, 50), 3.0)
+        waiting_call(server, "twin_a", ("manual", "a"), (64, 10), 4.0)
+        waiting_call(server, "twin_b", ("manual", "b"), (64, 10), 5.0)
+        server._admit()
+        admitted = [r.wf.id for r in server.prefilling]
+        assert admitted + [r.wf.id for r in server.waiting] == order if scheduling == "fcfs" else \
+            admitted == order[:1], scheduling
+        if scheduling == "lpm":  # twin_b shares 64 uncached tokens with twin_a, which waits before it
+            assert [r.wf.id for r in server.waiting] == ["short", "none", "twin_a", "twin_b"]
+            server.waiting.rotate(-1)  # twin_b ahead of none and twin_a: the next sort still defers it
+            server.waiting.rotate(-1)
+            server._longest_prefix_first()
+            assert [r.wf.id for r in server.waiting] == ["short", "twin_a", "none", "twin_b"]
+
+
+def test_a_call_that_cannot_fit_evicts_nothing():
+    """As SGLang's PrefillAdder: free + evictable tokens are checked before any eviction, so a call
+    that would not fit even in an emptied cache leaves the cache whole, and waits."""
+    config = SimConfig(gpu_tokens=1_000)
+    server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+    cached(server, ("doc",), (400,))  # the least recently used
+    cached(server, ("sys",), (100,))
+    server.tree.private_gpu += 300  # a running call's tokens
+    waiting_call(server, "big", ("other",), (400,), 1.0)  # needs 410: 200 free + 500 evictable would do
+    waiting_call(server, "huge", ("more",), (800,), 1.0)
+    server._admit()
+    assert [r.wf.id for r in server.prefilling] == ["big"] and server.tree.gpu_used == 100  # doc evicted
+    server.tree.private_gpu -= 300
+    cached_before = server.tree.gpu_used
+    assert not server.try_admit(server.waiting[0])  # 810 > 490 free + 100 evictable: nothing evicted
+    assert server.tree.gpu_used == cached_before == 100
+    audit(server.tree)
+
+
 def test_too_small_gpu_is_a_clear_error():
     workflows = small_workload("swebench", 3, 0)
     with pytest.raises(ValueError, match="raise sim.gpu_tokens"):
