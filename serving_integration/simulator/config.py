@@ -21,7 +21,7 @@ from serving_integration.cache.config import RouterConfig
 from serving_integration.simulator.cost_model import CostModel
 
 
-SCHEDULING = ("fcfs", "program_fcfs", "lpm")
+SCHEDULING = ("fcfs", "program_fcfs", "lpm", "hrrn")
 
 
 def _routers():
@@ -52,7 +52,8 @@ class SimConfig:
     replicas: int = knob(1, "servers behind the router; gpu_tokens is split evenly among them", at_least(1))
     scheduling: str = knob("fcfs", "admission order: fcfs (SGLang's default: by call arrival), program_fcfs "
                            "(Continuum's: by the program's, i.e. the workflow's, start), lpm (SGLang's "
-                           "--schedule-policy lpm: the longest cached prefix first)", one_of(SCHEDULING))
+                           "--schedule-policy lpm: the longest cached prefix first), hrrn (SGLang's: the most "
+                           "prefill tokens served while waiting per uncached token first)", one_of(SCHEDULING))
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

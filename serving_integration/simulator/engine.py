@@ -5,10 +5,12 @@ Per request (one agent call): match the prompt in the two-tier radix tree; GPU-h
 free, host-hit tokens are loaded over PCIe, missed tokens are prefilled; the matched path is
 locked while the request runs; prompt + output are inserted when it finishes (SGLang inserts
 both). Scheduling follows SGLang's defaults: FCFS admission while KV memory allows (the prompt's
-missed tokens and the output are reserved up front), prefill iterations of at most
+missed tokens and the output are reserved up front; a call that would not fit even once every
+unlocked node is evicted evicts nothing and waits), prefill iterations of at most
 `max_prefill_tokens` (chunked prefill) take priority over decode iterations, decode runs the
 whole running batch one token per iteration (`sim.scheduling=program_fcfs`: admission by the
-workflow's start instead, Continuum's program-level FCFS). Between events, identical decode iterations are
+workflow's start instead, Continuum's program-level FCFS; `lpm` and `hrrn`: SGLang's cache-aware
+orders). Between events, identical decode iterations are
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
@@ -63,9 +65,10 @@ from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.cache.router import make_router
 
-# SGLang's lpm schedule policy's constants (managers/schedule_policy.py, 0.5.23)
+# SGLang's cache-aware schedule policies' constants (lpm, hrrn; managers/schedule_policy.py, 0.5.23)
 LPM_QUEUE_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: above it, no matching and no sort
 LPM_IN_BATCH_TOKENS = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
+CACHE_AWARE = ("lpm", "hrrn")  # the sim.scheduling orders that match the waiting calls
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class Request:
     finished: float = math.nan
     gpu_units: int = 0  # prompt units matched on the GPU at admission (hits before page rounding)
     clocks: tuple = ()  # the simulator's time-split clocks at admission
+    queued_at_prefilled: int = 0  # the server's prefilled tokens when the call joined its queue (hrrn)
     server: "Server | None" = None
 
 
@@ -201,6 +205,7 @@ class Server:
         self.tracks_workflows = self.policy.reads_ledger or self.prefetch.enabled
         self.counters = Counters()
         self.calls = 0  # calls routed here
+        self.prefilled_tokens = 0  # prompt tokens prefilled so far (SGLang's processed_tokens_counter, hrrn)
         # the realized request sequence, for the offline bound (simulator/bound.py): each admitted
         # request is appended when admitted and again when it finishes
         self.trace: list[Request] = []
@@ -264,7 +269,8 @@ class Server:
     def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str]) -> None:
         """wf's next call, issued at time t, arrives; an idle server prefetches through the idle time first."""
         self.idle_until(t, idle_workflows)
-        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self)
+        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self,
+                          queued_at_prefilled=self.prefilled_tokens)
         if self.config.scheduling == "program_fcfs":  # Continuum's: the earliest-started program first
             at = len(self.waiting)
             while at > 0 and self.waiting[at - 1].wf.start_time > wf.start_time:
@@ -292,9 +298,9 @@ class Server:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        if self.config.scheduling == "lpm" and self.waiting and \
+        if self.config.scheduling in CACHE_AWARE and self.waiting and \
                 len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
-            self._longest_prefix_first()
+            self._cache_aware_order()
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
             if not self.try_admit(self.waiting[0]):
                 return
@@ -304,16 +310,19 @@ class Server:
             self.prefilling.append(request)
             self.running[request.wf.id] = request
 
-    def _longest_prefix_first(self) -> None:
-        """SGLang's lpm schedule policy (0.5.23, managers/schedule_policy.py), run where SGLang runs
-        it, before each admission pass: every waiting call is matched in the tree (which marks its
-        path accessed, as SGLang's match does) and the queue is sorted, stably, by the cached
-        prefix (GPU + host tokens) longest first. In-batch prefix caching: a call with at most
+    def _cache_aware_order(self) -> None:
+        """SGLang's cache-aware schedule policies (0.5.23, managers/schedule_policy.py), run where
+        SGLang runs them, before each admission pass: every waiting call is matched in the tree
+        (which marks its path accessed, as SGLang's match does) and the queue is sorted, stably.
+        lpm: by the cached prefix (GPU + host tokens), longest first. hrrn (highest response ratio
+        next, aged in tokens): by the prompt tokens the server prefilled while the call waited per
+        token it must prefill itself, highest first (SGLang breaks ties by request id, a random
+        uuid; here by queue order). In-batch prefix caching, in both: a call with at most
         LPM_IN_BATCH_TOKENS of its prompt on GPU that shares at least that many tokens with a
         waiting call before it (in the queue's current order) goes last, so that one of them
         prefills the shared prefix for the others. Above LPM_QUEUE_MAX waiting calls SGLang skips
         the matching and the queue keeps its order."""
-        waiting, tree = self.waiting, self.tree
+        waiting, tree, hrrn = self.waiting, self.tree, self.config.scheduling == "hrrn"
         if len(waiting) > LPM_QUEUE_MAX:
             return
         in_batch: set[int] = set()  # prefix keys of the waiting prompts SGLang's in-batch tree holds
@@ -333,8 +342,13 @@ class Server:
                 deprioritized = shared >= LPM_IN_BATCH_TOKENS
                 if not deprioritized:
                     in_batch.update(call.keys)
-            # SGLang counts at most the prompt less its last token as matched
-            ranks.append(INF if deprioritized else -min(matched, call.prompt_tokens - 1))
+            matched = min(matched, call.prompt_tokens - 1)  # SGLang's cap: the last token is prefilled
+            if deprioritized:
+                ranks.append(INF)
+            elif hrrn:
+                ranks.append(-(self.prefilled_tokens - r.queued_at_prefilled) / (call.prompt_tokens - matched))
+            else:
+                ranks.append(-matched)
         order = sorted(range(len(waiting)), key=ranks.__getitem__)
         self.waiting = deque(waiting[i] for i in order)
 
@@ -402,6 +416,7 @@ class Server:
             if budget <= 0:
                 break
             take = min(r.prefill_left, budget)
+            self.prefilled_tokens += take
             seconds += self.cost.prefill_s(take, r.context)
             loads += r.host_load
             r.host_load = 0

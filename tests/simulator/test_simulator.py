@@ -84,7 +84,7 @@ def small_workload(kind, n, seed):
        policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae",
                                "continuum", "lru_prefetch", "fifo", "slru", "oracle"]),
        prefetch=st.sampled_from(["none", "conservative", "aggressive", "kvflow", "last_call"]),
-       page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs"]),
+       page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs", "lpm", "hrrn"]),
        end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]))  # None: never
 def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, scheduling, end):
     workflows = small_workload(kind, 12, seed)
@@ -204,8 +204,29 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_defers_a_shared_uncached
             assert [r.wf.id for r in server.waiting] == ["short", "none", "twin_a", "twin_b"]
             server.waiting.rotate(-1)  # twin_b ahead of none and twin_a: the next sort still defers it
             server.waiting.rotate(-1)
-            server._longest_prefix_first()
+            server._cache_aware_order()
             assert [r.wf.id for r in server.waiting] == ["short", "twin_a", "none", "twin_b"]
+
+
+def test_hrrn_admits_the_highest_response_ratio_first():
+    """sim.scheduling=hrrn (SGLang's): the queue sorted by prompt tokens the server prefilled while
+    a call waited, per token the call must prefill itself, highest first; ties in queue order."""
+    config = SimConfig(gpu_tokens=100_000, scheduling="hrrn", max_running_requests=1)
+    server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+    cached(server, ("sys", "doc"), (100, 400))
+    waiting_call(server, "old_uncached", ("other",), (301,), 1.0)  # 300 uncached (the last token is always)
+    server.prefilled_tokens = 500
+    waiting_call(server, "cached", ("sys", "doc", "q"), (100, 400, 20), 2.0)  # 21 uncached
+    server.prefilled_tokens = 600  # ratios: 600 / 301, 100 / 21, 0 / 50
+    waiting_call(server, "new", ("fresh",), (50,), 3.0)
+    server._cache_aware_order()
+    assert [r.wf.id for r in server.waiting] == ["cached", "old_uncached", "new"]
+    server.prefilled_tokens = 10_000  # 10000 / 301 = 33, 9500 / 21 = 452, 9400 / 50 = 188
+    server._cache_aware_order()
+    assert [r.wf.id for r in server.waiting] == ["cached", "new", "old_uncached"]
+    server.waiting[2].queued_at_prefilled = -200_000  # 210000 / 301 = 698: waited long enough to go first
+    server._cache_aware_order()
+    assert [r.wf.id for r in server.waiting] == ["old_uncached", "cached", "new"]
 
 
 def test_a_call_that_cannot_fit_evicts_nothing():
