@@ -1057,11 +1057,13 @@ def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[s
     plots = sweep_plots(rows, tmp) + noise_plot(fits, tmp) + backbone_and_kv_plots(rows, tmp)
     if not plots:
         plots = policy_bars(rows, tmp, splits_in(rows)[0])
+    from serving_integration.experiments.admission import admission_section
     from serving_integration.experiments.headroom import headroom_section
     from serving_integration.experiments.regime import regime_section
 
     optional = [("## Where prediction pays: GPU memory x host tier x live workflows", regime_section(rows, tmp)),
                 ("## Where the headroom lies: the eviction bound against each row", headroom_section(rows)),
+                ("## Admission order against eviction order", admission_section(rows)),
                 ("## Prediction noise: regret and its linear fit", regret_md),
                 ("## Robust PBKV: the trust modes per seed", robust_section(rows)),
                 ("## KV pruning (IntentKV)", kv_table(rows)),
