@@ -7,6 +7,7 @@ so the bound column compares a row with the best eviction order for its own orde
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 from serving_integration.experiments.presentation import row_label
 from serving_integration.experiments.rows import SETTING
@@ -45,12 +46,55 @@ def _speed_up(r: dict, base: dict | None):
     return None if base is None else over_seeds(paired_ratios(r, base, "mean_workflow_latency_s", higher=False))
 
 
-def admission_section(rows) -> str:
-    """The tables and paragraph, or "" when no setting ran under two admission orders."""
+PLOTTED = ("lru", "pbkv")  # the policies the figure draws under each order (pbkv: its learned predictor)
+
+
+def speed_up_figure(groups: dict[tuple, list[dict]], out: Path) -> str:
+    """Bars of the speed-up over FCFS LRU (mean ± 95% CI over seeds) per setting, for lru and pbkv
+    under each admission order; the figure's Markdown line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from serving_integration.experiments.presentation import save_figure
+
+    keys = sorted(groups, key=sort_key)
+    orders = [o for o in ORDERS if any(r.get("scheduling", "fcfs") == o for g in groups.values() for r in g)]
+    series = [(o, p) for o in orders for p in PLOTTED]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(keys), 3.6))
+    for i, (order, policy) in enumerate(series):
+        values, errors = [], []
+        for key in keys:
+            base = _fcfs_lru(groups[key])
+            row = next((r for r in groups[key] if r["policy"] == policy and r.get("scheduling", "fcfs") == order), None)
+            gain = _speed_up(row, base) if row is not None else None
+            values.append(gain.value if gain is not None else float("nan"))
+            errors.append(0.0 if gain is None or gain.low is None else (gain.high - gain.low) / 2)
+        ax.bar([k + (i - (len(series) - 1) / 2) * width for k in range(len(keys))], values, width, yerr=errors,
+               label=f"{policy}, {order}", capsize=2)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([f"{g[0]['workload']}\n{g[0].get('gpu_working_set_fraction') or g[0]['gpu_tokens']:g}x"
+                        for g in (groups[k] for k in keys)], fontsize=8)
+    ax.set_ylabel("speed-up vs FCFS LRU (mean latency)")
+    ax.set_title("Admission order and eviction order, test split, mean ± 95% CI over seeds", fontsize=9)
+    ax.legend(fontsize=7, ncol=len(orders))
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, out / "admission_speedup.png", dpi=110)
+    plt.close(fig)
+    return "![speed-up over FCFS LRU of lru and pbkv under each admission order, test split](admission_speedup.png)"
+
+
+def admission_section(rows, out: Path) -> str:
+    """The figure (written into `out`), tables and paragraph, or "" when no setting ran under two
+    admission orders."""
     groups = admission_groups(rows)
     if not groups:
         return ""
-    parts = [NOTE]
+    parts = [NOTE, speed_up_figure(groups, out)]
     for key in sorted(groups, key=sort_key):
         group = groups[key]
         at = dict(zip([k for k in SETTING if k != "scheduling"], key))

@@ -1061,9 +1061,9 @@ def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[s
     from serving_integration.experiments.headroom import headroom_section
     from serving_integration.experiments.regime import regime_section
 
-    optional = [("## Where prediction pays: GPU memory x host tier x live workflows", regime_section(rows, tmp)),
+    optional = [("## Admission order against eviction order", admission_section(rows, tmp)),
+                ("## Where prediction pays: GPU memory x host tier x live workflows", regime_section(rows, tmp)),
                 ("## Where the headroom lies: the eviction bound against each row", headroom_section(rows)),
-                ("## Admission order against eviction order", admission_section(rows)),
                 ("## Prediction noise: regret and its linear fit", regret_md),
                 ("## Robust PBKV: the trust modes per seed", robust_section(rows)),
                 ("## KV pruning (IntentKV)", kv_table(rows)),
