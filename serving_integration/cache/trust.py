@@ -63,6 +63,7 @@ import math
 from typing import Callable, Hashable, Protocol, Sequence
 
 from serving_integration.cache.config import TrustConfig
+from serving_integration.cache.workload import prefix_tokens_in
 
 
 class Ledger(Protocol):
@@ -190,13 +191,7 @@ class ShadowCache:
 
     def hits(self, keys: Sequence, sizes: Sequence) -> int:
         """Tokens of the longest held prefix of `keys`."""
-        hit = 0
-        held = self.held
-        for key, size in zip(keys, sizes):
-            if key not in held:
-                break
-            hit += size
-        return hit
+        return prefix_tokens_in(keys, sizes, self.held)
 
     def push(self, key, entry: ShadowEntry, seq: int) -> None:
         heapq.heappush(self.heap, (self.rank(entry), seq, key))

@@ -37,6 +37,17 @@ def prefix_keys(units: Sequence, start: int = ROOT_KEY) -> tuple[int, ...]:
     return tuple(keys)
 
 
+def prefix_tokens_in(keys: Sequence, sizes: Sequence[int], present) -> int:
+    """Tokens of the longest prefix of `keys` (prefix identities, in order) whose every key is in
+    `present` (a set or dict): what a cache holding those keys would hit of the prompt."""
+    tokens = 0
+    for key, size in zip(keys, sizes):
+        if key not in present:
+            break
+        tokens += size
+    return tokens
+
+
 @dataclass(frozen=True)
 class SimCall:
     agent: str

@@ -58,7 +58,7 @@ from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
 from serving_integration.cache.trust import trust_summary
-from serving_integration.cache.workload import SimCall, SimWorkflow, chain
+from serving_integration.cache.workload import SimCall, SimWorkflow, chain, prefix_tokens_in
 from serving_integration.simulator.headroom import headroom_fields
 from serving_integration.simulator.bound import prefetch_budgets, row_bounds, sequence_from_trace, upper_bounds
 from serving_integration.simulator.config import SimConfig
@@ -71,6 +71,11 @@ LPM_IN_BATCH_TOKENS = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHO
 CACHE_AWARE = ("lpm", "hrrn")  # the sim.scheduling orders that match the waiting calls
 
 log = logging.getLogger(__name__)
+
+
+def matched_units_of(path: list[Node]) -> tuple[int, int]:
+    """Prompt units a matched path covers on the GPU and in all (GPU nodes come first on a path)."""
+    return sum(len(n.units) for n in path if n.on_gpu), sum(len(n.units) for n in path)
 
 
 @dataclass(eq=False)
@@ -329,20 +334,14 @@ class Server:
         ranks = []
         for r in waiting:
             call = r.call
-            path = tree.match(call.units, call.lens)
-            matched = sum(call.lens[:sum(len(n.units) for n in path)])
-            on_gpu = sum(call.lens[:sum(len(n.units) for n in path if n.on_gpu)])
+            on_gpu_units, matched_units = matched_units_of(tree.match(call.units, call.lens))
+            # SGLang's cap: the last prompt token is always prefilled
+            matched = min(sum(call.lens[:matched_units]), call.prompt_tokens - 1)
             deprioritized = False
-            if on_gpu <= LPM_IN_BATCH_TOKENS:
-                shared = 0
-                for key, n in zip(call.keys, call.lens):
-                    if key not in in_batch:
-                        break
-                    shared += n
-                deprioritized = shared >= LPM_IN_BATCH_TOKENS
+            if sum(call.lens[:on_gpu_units]) <= LPM_IN_BATCH_TOKENS:
+                deprioritized = prefix_tokens_in(call.keys, call.lens, in_batch) >= LPM_IN_BATCH_TOKENS
                 if not deprioritized:
                     in_batch.update(call.keys)
-            matched = min(matched, call.prompt_tokens - 1)  # SGLang's cap: the last token is prefilled
             if deprioritized:
                 ranks.append(INF)
             elif hrrn:
@@ -359,8 +358,7 @@ class Server:
         self.policy.on_cached(path[-1] if path else None, r.wf.id, call.agent, False)
         # hits are counted in the request's own token counts (a pruned request may need fewer
         # tokens of a unit than the cache holds); memory moves in the cache's counts
-        matched = sum(len(n.units) for n in path)
-        on_gpu = sum(len(n.units) for n in path if n.on_gpu)  # GPU nodes come first on a path
+        on_gpu, matched = matched_units_of(path)
         gpu_hit, host_hit = sum(call.lens[:on_gpu]), sum(call.lens[on_gpu:matched])
         miss = call.prompt_tokens - gpu_hit - host_hit
         need = sum(n.num_tokens for n in path if not n.on_gpu) + miss + call.output_tokens
