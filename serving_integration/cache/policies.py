@@ -408,19 +408,22 @@ class EvictionPolicy:
         """The nodes whose priority a new prediction changed (WorkflowLedger.set_predictions)."""
         return []
 
-    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
+    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
+                     cached: int | None = None) -> bool:
         """Called when a call arrives, with its prompt's content keys in prefix order and their
-        token counts (workload.prefix_keys; the plugin's are token blocks); True when every node's
-        priority changed at once (the caller's heaps must be rebuilt)."""
+        token counts (workload.prefix_keys; the plugin's are token blocks), and the tokens of it the
+        cache held (GPU and host; None where unknown); True when every node's priority changed at
+        once (the caller's heaps must be rebuilt)."""
         return False
 
     def observe_insert(self, workflow: str, agent: str, keys: Sequence, sizes: Sequence) -> None:
         """Called when a call finished and its prompt and output are in the cache (content keys
         in prefix order, as observe_call's)."""
 
-    def set_capacity(self, gpu_tokens: int) -> None:
+    def set_capacity(self, gpu_tokens: int, host_tier: bool | None = None) -> None:
         """The tokens the cache may hold now: its GPU tokens less what running requests hold outside
-        it, told before each admitted call and each insert (PBKV's outcome shadows follow it)."""
+        it, told before each admitted call and each insert, and whether the server has a host tier
+        (PBKV's outcome shadows follow both)."""
 
     def trust_report(self) -> dict | None:
         """What a trust judge decided and measured (PBKV), else None."""
@@ -546,16 +549,16 @@ class PBKV(_LedgerPolicy):
     def changed_by(self, changed):
         return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
 
-    def observe_call(self, workflow, agent, keys=(), sizes=()):
-        return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes)
+    def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None):
+        return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes, cached)
 
     def observe_insert(self, workflow, agent, keys, sizes):
         if self.judge is not None:
             self.judge.observe_insert(workflow, keys, sizes, agent)
 
-    def set_capacity(self, gpu_tokens):
+    def set_capacity(self, gpu_tokens, host_tier=None):
         if hasattr(self.judge, "set_capacity"):
-            self.judge.set_capacity(gpu_tokens)
+            self.judge.set_capacity(gpu_tokens, host_tier)
 
     def trust_report(self) -> dict | None:
         return self.judge.report() if self.judge is not None else None

@@ -29,10 +29,18 @@ insert) and evicts by its own order. Neither depends on which order the real cac
 neither is fed back its own choices. The decision compares the two hit rates over a moving window
 of admitted calls and flips, with a margin, to the one that wins.
 
-Why admission, locks and running memory matter: a shadow that held a prompt on arrival, let other
-running calls' keys go (they came back free when those calls finished) and held the full GPU size
-judged a different cache. On hover under adversarial predictions it put the score order 7.7 points
-ahead of lifecycle-aware LRU where the real cache put it 2.6 behind (docs/serving.md).
+What the real server had of a prompt is in its tree while the call runs: with a host tier, a host
+hit is loaded back at admission and the next call reads it from the GPU, so each shadow holds that
+prefix from admission on (a shadow is a GPU cache in front of the server's host tier); without one,
+what the real cache had and a shadow did not is recomputed outside that shadow, so its room
+shrinks by it until the call finishes (`observe_call`'s `cached`, `set_capacity`'s `host_tier`).
+
+Why admission, locks, running memory and the host tier matter: a shadow that held a prompt on
+arrival, let other running calls' keys go (they came back free when those calls finished) and held
+the full GPU size judged a different cache; one that read a host hit only at the call's finish and
+left what running calls load back uncharged did too. On hover under adversarial predictions the
+first put the score order 7.7 points ahead of lifecycle-aware LRU where the real cache put it 2.6
+behind, the second 1.7 ahead with a host tier (docs/serving.md).
 
 The sample. A workflow is followed when a seeded hash of its id falls below R = `outcome_sample`
 (stable: the same workflows in every run and process). Sampling whole workflows rather than keys
@@ -60,6 +68,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+from itertools import accumulate
 from typing import Callable, Hashable, Protocol, Sequence
 
 from serving_integration.cache.config import TrustConfig
@@ -113,7 +122,8 @@ class AccuracyTrust:
     def switches(self) -> int:
         return self.meter.switches
 
-    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
+    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
+                     cached: int | None = None) -> bool:
         p = self.ledger.check_prediction(workflow, agent)
         return p is not None and self.meter.update(p)
 
@@ -185,9 +195,14 @@ class ShadowCache:
         self.name, self.capacity, self.rank = name, capacity, rank
         self.held: dict[Hashable, float] = {}  # key -> tokens charged
         self.used = 0.0
+        self.reserved = 0.0  # running calls' prompt tokens in the real tree and not here, less the reverse
         self.heap: list[tuple] = []
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
+
+    def room(self) -> float:
+        """The tokens it may hold now: its capacity less its running calls' reservations."""
+        return self.capacity - self.reserved
 
     def hits(self, keys: Sequence, sizes: Sequence) -> int:
         """Tokens of the longest held prefix of `keys`."""
@@ -302,9 +317,13 @@ class OutcomeTrust:
         self.sampled_calls = 0
         self.trusted, self.switches = True, 0
         self._sampled: dict[str, bool] = {}  # workflow -> is_sampled, memoised (at most SAMPLED_MEMO)
+        self.host_tier = False
         self.set_capacity(capacity)
 
-    def set_capacity(self, cache_tokens: float) -> None:
+    def set_capacity(self, cache_tokens: float, host_tier: bool | None = None) -> None:
+        """The tokens the real cache may hold now, and (when told) whether it has a host tier."""
+        if host_tier is not None:
+            self.host_tier = host_tier
         for shadow in self.shadows:
             shadow.capacity = self.share * cache_tokens
 
@@ -318,13 +337,22 @@ class OutcomeTrust:
             known = self._sampled[workflow] = sampled(workflow, self.share, self.seed)
         return known
 
-    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = ()) -> bool:
-        """A call was admitted with its prompt's content keys (prefix order) and token counts: each
-        shadow counts the tokens of its longest held prefix as hits; the prompt's keys stay locked
-        until the call finishes (its path is locked in the real tree; the whole prompt is held, read
-        and touched only then, as the real cache inserts it and refreshes its path, so a locked key
-        needs no touch now), and each shadow makes room for what running calls now hold outside the
-        cache. True when the followed order flipped."""
+    def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
+                     cached: int | None = None) -> bool:
+        """A call was admitted with its prompt's content keys (prefix order) and token counts, and
+        the first `cached` of its tokens were in the real cache (GPU and host; None: unknown). Each
+        shadow counts the tokens of its longest held prefix as hits, and then holds what the call
+        holds on the GPU inside the real tree while it runs, so that the rest of the prompt and the
+        output are what the capacity told (`set_capacity`) leaves out, as for the real cache:
+          - with a host tier, the prefix the real server had (a GPU miss there is loaded back from
+            the host at admission, and the next call reads it from the GPU): a shadow is a GPU
+            cache in front of the server's host tier;
+          - without one, its own hits; the tokens the real cache had and it did not are recomputed
+            outside its tree, so its room shrinks by them (and grows by what it held and the real
+            cache did not) until the call finishes.
+        The prompt's keys stay locked until then, as its path is in the real tree; the whole prompt
+        is held, read and touched then, as the real cache inserts it. Then each shadow makes room.
+        True when the followed order flipped."""
         if not keys or not self.is_sampled(workflow):
             return False
         self.sampled_calls += 1
@@ -340,10 +368,17 @@ class OutcomeTrust:
         d = hits[1] - hits[0]
         self._dd, self._dp, self._pp = (self._dd * decay + d * d, self._dp * decay + d * prompt,
                                         self._pp * decay + prompt * prompt)
-        self.running.setdefault(workflow, []).append(keys)
+        loaded = cached if cached and self.host_tier else 0  # the prefix held from admission on
+        reserved = tuple(0 if cached is None else cached - max(hit, loaded) for hit in hits)
+        for shadow, tokens in zip(self.shadows, reserved):
+            shadow.reserved += tokens
+        self.running.setdefault(workflow, []).append((keys, reserved))
         locked = self.locked
         for key in keys:
             locked[key] = locked.get(key, 0) + 1
+        if loaded:
+            n = next((i for i, total in enumerate(accumulate(sizes)) if total > loaded), len(sizes))
+            self._hold(workflow, agent, keys[:n], sizes[:n])
         self._make_room()
         return self._decide()
 
@@ -354,15 +389,17 @@ class OutcomeTrust:
             return
         calls = self.running.get(workflow)
         if calls:
-            self._unlock(calls.pop(0), keys)
+            self._release(*calls.pop(0), keys)
             if not calls:
                 del self.running[workflow]
         self._hold(workflow, agent, keys, sizes)
         self._make_room()
 
-    def _unlock(self, keys: Sequence, held_now: Sequence) -> None:
+    def _release(self, keys: Sequence, reserved: tuple, held_now: Sequence) -> None:
         """A finished call's keys: unlocked, and back into the orders of the shadows that hold them
-        (those about to be held again are pushed then, with their new rank)."""
+        (those about to be held again are pushed then, with their new rank); its reservations end."""
+        for shadow, tokens in zip(self.shadows, reserved):
+            shadow.reserved -= tokens
         locked, entries, seq = self.locked, self.entries, self.clock
         again = set(held_now)
         for key in keys:
@@ -438,8 +475,8 @@ class OutcomeTrust:
         for w, now in changed:
             if now is None:  # retired: its keys lose a reader, and may become retired keys
                 del tables[w]
-                for keys in self.running.pop(w, ()):  # a call the server never finished (aborted)
-                    self._unlock(keys, ())
+                for keys, reserved in self.running.pop(w, ()):  # a call the server never finished (aborted)
+                    self._release(keys, reserved, ())
                 for key in self.keys_of.pop(w):
                     entry = entries[key]
                     entry.drop_reader(w)
@@ -461,14 +498,15 @@ class OutcomeTrust:
     def _make_room(self) -> None:
         """Each shadow over its capacity evicts by its own order down to (1 - slack) x its capacity;
         a key neither holds any more is forgotten."""
-        if all(shadow.used <= shadow.capacity for shadow in self.shadows):
+        if all(shadow.used <= shadow.room() for shadow in self.shadows):
             return
         self._refresh()
         entries, locked = self.entries, self.locked
         for shadow, other in ((self.score_shadow, self.lru_shadow), (self.lru_shadow, self.score_shadow)):
-            if shadow.used <= shadow.capacity:
+            room = shadow.room()
+            if shadow.used <= room:
                 continue
-            target = (1 - self.slack) * shadow.capacity
+            target = (1 - self.slack) * room
             while shadow.used > target:
                 key = shadow.victim(entries, locked)
                 if key is None:

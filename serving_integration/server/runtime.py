@@ -386,7 +386,7 @@ class WorkflowRuntime:
         except (AttributeError, TypeError):  # a cache without these counters: its pool's size
             tokens = getattr(allocator, "size", None)
         if isinstance(tokens, int) and tokens > 0:
-            self.policy.set_capacity(tokens)
+            self.policy.set_capacity(tokens, host_tier=getattr(cache, "cache_controller", None) is not None)
 
     def _shadow_keys(self, workflow_id: str, tokens) -> tuple[list, list]:
         """The content keys the outcome shadows need of a call of this workflow: none unless pbkv
@@ -464,7 +464,7 @@ class WorkflowRuntime:
             wf.running.add(req.rid)
             self.policy.on_time(self.clock())  # continuum: the clock its tool times are read from
             keys, sizes = self._shadow_keys(wf.id, getattr(req, "origin_input_ids", None))
-            if self.policy.observe_call(wf.id, tag.agent, keys, sizes):
+            if self.policy.observe_call(wf.id, tag.agent, keys, sizes, getattr(req, "num_matched_prefix_tokens", None)):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
             report = self.policy.trust_report()
             if report is not None:

@@ -186,7 +186,7 @@ class Server:
         self.ledger = WorkflowLedger(gamma)
         self.policy = make_policy(policy, self.ledger, next_use=next_use, **(policy_options or {}))
         self.policy.attach(gpu_tokens, cost.prefill_s)
-        self.policy.set_capacity(gpu_tokens)
+        self.policy.set_capacity(gpu_tokens, host_tier=self.config.hicache_ratio > 0)
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
@@ -376,7 +376,7 @@ class Server:
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
         self.policy.set_capacity(tree.gpu_capacity - tree.private_gpu)  # what the cache may hold while this runs
-        if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens):  # pbkv's trust switched its order
+        if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens, gpu_hit + host_hit):  # trust flipped
             tree.reprioritize()
         if self.tracks_workflows:
             self.ledger.record_path([node.id for node in path], r.wf.id, call.agent)

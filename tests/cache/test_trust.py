@@ -97,6 +97,31 @@ def test_a_running_calls_keys_stay_and_its_memory_shrinks_the_shadows():
     assert held(trust) == (["A", "B", "D"], ["A", "B", "D"]) and not trust.locked and not trust.running
 
 
+def test_with_a_host_tier_the_prefix_the_server_had_is_held_from_admission():
+    """The real server loads a host hit back at admission, and the next call reads it from the GPU:
+    a shadow holds the prefix the server had from then on (cached=8: both keys), not at the finish."""
+    trust, _ = judge(capacity=100)
+    trust.set_capacity(100, host_tier=True)
+    trust.observe_call("w1", "c", ["A", "B"], [4, 4], cached=8)
+    assert held(trust) == (["A", "B"], ["A", "B"]) and trust.score_shadow.total_hit_tokens == 0
+    trust.observe_call("w2", "b", ["A", "C"], [4, 4], cached=4)
+    assert trust.score_shadow.total_hit_tokens == trust.lru_shadow.total_hit_tokens == 4
+    assert held(trust) == (["A", "B"], ["A", "B"])  # without a host tier C is recomputed: held at its insert
+
+
+def test_without_a_host_tier_what_the_server_had_and_a_shadow_did_not_is_its_room_less():
+    """The real cache held A and B (8 tokens in its tree while the call runs) and the shadows did not:
+    they would recompute them outside their tree, so their room is 12 - 8 until the call finishes."""
+    trust, _ = judge(capacity=12)
+    run_call(trust, "w2", "b", ["C"], [4])
+    run_call(trust, "w2", "b", ["D"], [4])
+    trust.observe_call("w1", "c", ["A", "B"], [4, 4], cached=8)
+    assert held(trust) == (["D"], ["D"])  # C, the oldest, made room
+    assert trust.score_shadow.reserved == trust.lru_shadow.reserved == 8
+    trust.observe_insert("w1", ["A", "B"], [4, 4], "c")
+    assert held(trust) == (["A", "B", "D"], ["A", "B", "D"]) and trust.score_shadow.reserved == 0
+
+
 def test_the_incremental_orders_are_the_orders_a_full_sort_gives():
     """After a random stream of calls, inserts, new predictions and retirements, each shadow's heap
     yields its held, unlocked keys exactly in the order of sorting them by their rank now."""

@@ -28,11 +28,10 @@ from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES  # noqa:
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, NextBatchPlan, Req  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.common import match_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES, get_eviction_strategy  # noqa: E402
@@ -96,7 +95,7 @@ class Serving:
         if prefill is not None:
             prefill(req)
         self.req_pool.alloc([req])
-        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
+        match = match_kv_cache(req, self.cache)  # the scheduler's match: also sets what the request had cached
         prefix, total = match.device_prefix_len, len(prompt) + len(output)
         req.last_node, req.lock = match.last_device_node, self.cache.lock(match.last_device_node)
         row = req.kv.req_pool_idx
@@ -300,6 +299,8 @@ def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follo
     trust = serving.runtime.snapshot()["trust"]
     assert trust["following"] == "pbkv" and trust["trust_switches"] == 0 and trust["shadow_sampled_calls"] == 2
     assert trust["shadow_hit_tokens_pbkv"] == trust["shadow_hit_tokens_lae"] == 8
+    assert judge.score_shadow.reserved == judge.lru_shadow.reserved == 0  # the real cache had what they had
+    assert not judge.host_tier  # no HiCache controller on this cache
     assert serving.runtime.stats["calls_following_pbkv"] == 2 and serving.runtime.snapshot()["trusted"] is True
 
 

@@ -475,6 +475,22 @@ def test_outcome_trust_falls_back_where_right_predictions_keep_the_wrong_cache()
     assert outcome["hit_rate"] > lae - 0.01  # the fallback comes early: within a point of lifecycle-aware LRU
 
 
+def test_with_a_host_tier_the_outcome_shadows_see_the_hit_rates_the_real_caches_get():
+    """Each shadow is a GPU cache in front of the server's host tier: its hit rate is within a point
+    of the real cache's under the same order (it was 3 points above the score's when the shadows
+    read a host hit only at the call's finish and left what running calls load back uncharged)."""
+    workflows = small_workload("hover", 40, 0)
+    names = vocabulary(sorted({c.agent for w in workflows for c in w.calls}))
+    config = SimConfig(gpu_tokens=60_000, concurrency=6, hicache_ratio=2.0)
+    lae = simulate(workflows, config, H100, bound=False, policy="pbkv_lae")
+    always, outcome = (simulate(workflows, config, H100, bound=False, policy="pbkv", policy_options={"trust": trust},
+                                predictions=PerfectSource(names, 3)) for trust in ("always", "outcome"))
+    assert outcome["trust_switches"] == 0 and outcome["hit_rate"] == always["hit_rate"]  # it followed the score
+    assert always["host_hit_tokens"] > 0.1 * always["prompt_tokens"]  # the host tier matters here
+    assert abs(outcome["shadow_hit_rate_pbkv"] - always["hit_rate"]) < 0.01
+    assert abs(outcome["shadow_hit_rate_lae"] - lae["hit_rate"]) < 0.01
+
+
 def test_outcome_trust_keeps_the_score_where_it_wins():
     runs = trust_runs(shared_prefix_workload(200, rereads=True), 40_000)
     always, outcome, lae = runs["always"]["hit_rate"], runs["outcome"], runs["lae"]["hit_rate"]
