@@ -56,9 +56,9 @@ class TrustConfig:
                                at_least(1))
     outcome_min_calls: int = knob(16, "outcome: sampled calls seen before the first decision (until then the "
                                   "score is followed)", at_least(1))
-    outcome_z: float = knob(0.0, "outcome: the hit-rate difference must pass the margin by this many of its "
-                            "standard errors (over the window's sampled calls) before the order flips (0, "
-                            "chosen on validation: a late flip costs more than a wrong one)", at_least(0))
+    outcome_z: float = knob(1.0, "outcome: the hit-rate difference must pass the margin by this many of its "
+                            "standard errors (over the window's sampled calls) before the order flips (1, "
+                            "chosen on validation: 0 flips on noise, and each flip costs)", at_least(0))
     outcome_margin: float = knob(0.005, "outcome's hysteresis: fall back once lifecycle-aware LRU's shadow hit "
                                  "rate beats the score's by more than this (and outcome_z standard errors), "
                                  "return once the score's beats it so", probability)
