@@ -551,7 +551,7 @@ def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, boo
 def robustness_check(rows) -> str:
     """Per seed: each judged trust mode minus max(lru, pbkv_lae) in points, and the share of always's
     gain over LRU it keeps; each against its criterion."""
-    body = []
+    body, met = [], {mode: [0, 0] for mode in JUDGED}  # mode -> [rows meeting both criteria, rows]
     for key, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
         at = dict(zip(SETTING, key))
         l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
@@ -567,6 +567,8 @@ def robustness_check(rows) -> str:
                 continue
             a = per_seed(modes[mode], "hit_rate")
             margin, keep, ok = trust_verdict(l, e, a, w, wins)
+            met[mode][0] += ok
+            met[mode][1] += 1
             cells += [" / ".join(f"{x:.1%}" for x in a), " / ".join(f"{100 * m:+.1f}" for m in margin),
                       " / ".join("no gain" if math.isnan(k) else f"{k:.0%}" for k in keep)
                       + ("" if wins else " (always within its interval: not checked)"),
@@ -578,7 +580,8 @@ def robustness_check(rows) -> str:
     for mode in JUDGED:
         head += [f"pbkv {mode}", f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
                  f"{mode}: criteria met"]
-    return md_table(head, body)
+    tally = "; ".join(f"{mode} trust in {ok} of {n} rows" for mode, (ok, n) in met.items() if n)
+    return f"Both criteria met in every seed: {tally}.\n\n" + md_table(head, body)
 
 
 def predictor_check(rows) -> str:

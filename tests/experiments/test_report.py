@@ -128,6 +128,7 @@ def test_robustness_check_is_per_seed_against_its_criteria():
     assert markov[10] == "+8.0 / +9.0 / +10.0" and markov[12] == "yes" and markov[13:] == ["n/a"] * 4
     # always's gain (20, 10, 10 points) is larger than its 95% interval over the seeds: the share is checked
     assert "not checked" not in markov[11] and markov[11] == "100% / 100% / 100%"
+    assert "outcome trust in 1 of 2 rows; accuracy trust in 1 of 1 rows." in table  # the tally above the table
     top1 = predictor_check(rows)
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
 
