@@ -1,5 +1,5 @@
 """The report's "Admission order" section (experiment=admission): per workload and GPU size, every
-policy under each admission order (sim.scheduling: SGLang's FCFS, lpm and hrrn), against LRU under
+policy under each admission order (sim.scheduling: SGLang's FCFS, lpm, hrrn and spf), against LRU under
 FCFS, SGLang's default; latency first, then recomputed work and hits; then a paragraph written from
 the numbers. A row's bound is proven on its own request sequence, which the admission order changes,
 so the bound column compares a row with the best eviction order for its own order, not across orders."""
@@ -14,12 +14,13 @@ from serving_integration.experiments.rows import SETTING
 from serving_integration.experiments.statistics import over_seeds, paired_ratios, per_seed, shown
 from serving_integration.experiments.tables import md_table, sort_key, split_of
 
-ORDERS = ("fcfs", "program_fcfs", "lpm", "hrrn")  # table order: SGLang's default first
+ORDERS = ("fcfs", "program_fcfs", "lpm", "hrrn", "spf")  # table order: SGLang's default first
 NOTE = ("Each admission order (sim.scheduling, simulator/engine.py) with each eviction policy, test split, no "
         "prefetch; mean ± 95% CI over seeds. Speed-up: the mean workflow latency of LRU under FCFS (SGLang's "
         "default) over the row's, per seed; \"no difference\" where the interval holds 1. lpm admits the waiting "
         "call with the longest cached prefix first; hrrn the one with the most prompt tokens prefilled by the "
-        "server while it waited per token it must prefill itself. Own bound: the eviction bound on the row's own "
+        "server while it waited per token it must prefill itself; spf (shortest prefill first) the one with the fewest "
+        "tokens to prefill, and it caps a chunked prefill for shorter ones. Own bound: the eviction bound on the row's own "
         "request sequence (no eviction order reaches more GPU hits with that admission order); the admission "
         "order changes the sequence, so a row under lpm can pass the bound of a row under FCFS.")
 
@@ -122,8 +123,8 @@ def admission_section(rows, out: Path) -> str:
 
 
 def paragraph(groups: dict[tuple, list[dict]]) -> str:
-    """Per setting: the fastest row against FCFS LRU, and what lpm and hrrn do to LRU's recomputed work
-    and latency."""
+    """Per setting: the fastest row against FCFS LRU, and what the cache-aware orders do to LRU's
+    recomputed work and latency."""
     sentences = []
     for key in sorted(groups, key=sort_key):
         group, base = groups[key], _fcfs_lru(groups[key])
@@ -138,7 +139,7 @@ def paragraph(groups: dict[tuple, list[dict]]) -> str:
                     f"({shown(gain)}x FCFS LRU's speed)")
         else:
             text = f"{where}: no row is faster than FCFS LRU beyond its interval"
-        for order in ("lpm", "hrrn"):
+        for order in ("lpm", "hrrn", "spf"):
             lru = next((r for r in group if r["policy"] == "lru" and r.get("scheduling") == order), None)
             if lru is not None:
                 text += (f"; lru under {order} recomputes {lru['recompute_rate']:.1%} of prompt tokens against "

@@ -21,7 +21,7 @@ from serving_integration.cache.config import RouterConfig
 from serving_integration.simulator.cost_model import CostModel
 
 
-SCHEDULING = ("fcfs", "program_fcfs", "lpm", "hrrn")
+SCHEDULING = ("fcfs", "program_fcfs", "lpm", "hrrn", "spf")
 
 
 def _routers():
@@ -53,7 +53,9 @@ class SimConfig:
     scheduling: str = knob("fcfs", "admission order: fcfs (SGLang's default: by call arrival), program_fcfs "
                            "(Continuum's: by the program's, i.e. the workflow's, start), lpm (SGLang's "
                            "--schedule-policy lpm: the longest cached prefix first), hrrn (SGLang's: the most "
-                           "prefill tokens served while waiting per uncached token first)", one_of(SCHEDULING))
+                           "prefill tokens served while waiting per uncached token first), spf (SGLang's "
+                           "shortest-prefill-first: the fewest tokens to prefill first, a chunked prefill "
+                           "capped for shorter ones)", one_of(SCHEDULING))
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

@@ -9,8 +9,8 @@ missed tokens and the output are reserved up front; a call that would not fit ev
 unlocked node is evicted evicts nothing and waits), prefill iterations of at most
 `max_prefill_tokens` (chunked prefill) take priority over decode iterations, decode runs the
 whole running batch one token per iteration (`sim.scheduling=program_fcfs`: admission by the
-workflow's start instead, Continuum's program-level FCFS; `lpm` and `hrrn`: SGLang's cache-aware
-orders). Between events, identical decode iterations are
+workflow's start instead, Continuum's program-level FCFS; `lpm`, `hrrn` and `spf`: SGLang's
+cache-aware orders). Between events, identical decode iterations are
 advanced together. Closed loop: `concurrency` workflows are live; each issues its next call when
 the previous one finishes plus that call's tool time; a new workflow starts when one ends.
 
@@ -65,10 +65,10 @@ from serving_integration.simulator.config import SimConfig
 from serving_integration.simulator.radix import Node, RadixTree
 from serving_integration.cache.router import make_router
 
-# SGLang's cache-aware schedule policies' constants (lpm, hrrn; managers/schedule_policy.py, 0.5.23)
-LPM_QUEUE_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: above it, no matching and no sort
+# SGLang's cache-aware schedule policies' constants (lpm, hrrn, spf; managers/schedule_policy.py, 0.5.23)
+LPM_QUEUE_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX: above it lpm and hrrn neither match nor sort (spf does)
 LPM_IN_BATCH_TOKENS = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
-CACHE_AWARE = ("lpm", "hrrn")  # the sim.scheduling orders that match the waiting calls
+CACHE_AWARE = ("lpm", "hrrn", "spf")  # the sim.scheduling orders that match the waiting calls
 
 log = logging.getLogger(__name__)
 
@@ -326,9 +326,12 @@ class Server:
         LPM_IN_BATCH_TOKENS of its prompt on GPU that shares at least that many tokens with a
         waiting call before it (in the queue's current order) goes last, so that one of them
         prefills the shared prefix for the others. Above LPM_QUEUE_MAX waiting calls SGLang skips
-        the matching and the queue keeps its order."""
-        waiting, tree, hrrn = self.waiting, self.tree, self.config.scheduling == "hrrn"
-        if len(waiting) > LPM_QUEUE_MAX:
+        the matching and the queue keeps its order. spf (shortest prefill first, SGLang's
+        `shortest-prefill-first`): by the tokens the call must prefill (its prompt less the cached
+        prefix), fewest first, then by arrival; it always matches and sorts (and caps a chunked
+        prefill for shorter ones: `_spf_chunk_limit`)."""
+        waiting, tree, order = self.waiting, self.tree, self.config.scheduling
+        if len(waiting) > LPM_QUEUE_MAX and order != "spf":
             return
         in_batch: set[int] = set()  # prefix keys of the waiting prompts SGLang's in-batch tree holds
         ranks = []
@@ -342,9 +345,11 @@ class Server:
                 deprioritized = prefix_tokens_in(call.keys, call.lens, in_batch) >= LPM_IN_BATCH_TOKENS
                 if not deprioritized:
                     in_batch.update(call.keys)
-            if deprioritized:
+            if order == "spf":
+                ranks.append((deprioritized, call.prompt_tokens - matched, r.arrival))
+            elif deprioritized:
                 ranks.append(INF)
-            elif hrrn:
+            elif order == "hrrn":
                 ranks.append(-(self.prefilled_tokens - r.queued_at_prefilled) / (call.prompt_tokens - matched))
             else:
                 ranks.append(-matched)
@@ -408,12 +413,34 @@ class Server:
 
     # ------------------------------------------------------------------ iterations
 
+    def _spf_chunk_limit(self, budget: int) -> int | None:
+        """spf's cap on the chunked prefill (SGLang's `shortest_prefill_chunk_limit`): when the call
+        at the head is part-way through its prefill, the admitted calls behind it that have not
+        started (SGLang's waiting queue: here they hold memory, not yet prefill) are sorted by
+        their prefill, and each one shorter than what the head has left reserves its tokens (page
+        rounded) while they fit in the budget less a page; the head takes the rest. None: no cap."""
+        page, prefilling = self.config.page_size, self.prefilling
+        head = prefilling[0]
+        if budget < 2 * page or head.prefill_left >= max(head.miss, 1):  # not chunked yet
+            return None
+        rest = sorted(prefilling[1:], key=lambda r: r.prefill_left)  # stable: admission order among equals
+        prefilling[1:] = rest
+        reserved = 0
+        for r in rest:
+            charge = -(-r.prefill_left // page) * page
+            if r.prefill_left >= head.prefill_left or reserved + charge > budget - page:
+                break
+            reserved += charge
+        return (budget - reserved) // page * page if reserved else None
+
     def _prefill_iteration(self) -> list[Request]:
         budget, seconds, loads = self.config.max_prefill_tokens, self.cost.step_overhead_s, 0
+        limit = self._spf_chunk_limit(budget) if self.config.scheduling == "spf" else None
         for r in self.prefilling:
             if budget <= 0:
                 break
-            take = min(r.prefill_left, budget)
+            take = min(r.prefill_left, budget if limit is None else limit)
+            limit = None  # only the head's chunk is capped
             self.prefilled_tokens += take
             seconds += self.cost.prefill_s(take, r.context)
             loads += r.host_load

@@ -3,7 +3,7 @@ the event loop, the scheduler, a policy or a predictor that moves any decision c
 
 Each case replays a small generated workload (a few hundred calls, milliseconds) under one
 policy, prefetch mode, end-signal setting and cluster shape; together they pass through every
-path of serving_integration/simulator/engine.py (admission in arrival and in lpm order, chunked prefill, decode runs cut at
+path of serving_integration/simulator/engine.py (admission in arrival, lpm and spf order, chunked prefill and spf's capped chunk, decode runs cut at
 the next event, idle-time and decode-time prefetch, delayed and lost end signals, the inactivity
 timeout of finished and of live workflows, charged predictor time, the oracle's future index, two
 replicas behind each router). Counts are compared exactly, and so are the float metrics: the
@@ -47,6 +47,8 @@ def sources(kind: str, workflows):
 CASES = {
     "lru": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6), dict(policy="lru")),
     "lru_lpm": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, scheduling="lpm"), dict(policy="lru")),
+    "lru_spf": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, scheduling="spf", max_prefill_tokens=2048),
+                dict(policy="lru")),
     "lfu_page16": ("swebench", 8, 1, dict(gpu_tokens=120_000, concurrency=4, page_size=16), dict(policy="lfu")),
     "kvflow_aggressive": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
                           dict(policy="kvflow_ideal", prefetch="aggressive", predictions="step_graph")),
@@ -115,6 +117,13 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.63679400985109,
         'p99_workflow_latency_s': 87.80165151468124, 'mean_ttft_s': 0.563118665177107, 'throughput_calls_per_s':
         1.0510879825227952, 'time_queue_s': 2.01111358538812, 'time_pcie_s': 0.197757
+    },
+    'lru_spf': {
+        'gpu_hit_tokens': 184886, 'host_hit_tokens': 187784, 'prompt_tokens': 1059700, 'recomputed_tokens': 197204,
+        'prefetched_tokens': 0, 'predictor_calls': 0, 'ended_by_signal': 16, 'ended_by_timeout': 0, 'live_timeouts':
+        0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 45.75581728045285,
+        'p99_workflow_latency_s': 91.0235110523442, 'mean_ttft_s': 0.5577360821165699, 'throughput_calls_per_s':
+        1.0546791961803823, 'time_queue_s': 1.8374228659952885, 'time_pcie_s': 0.20742679999999997
     },
     'oracle_conservative': {
         'gpu_hit_tokens': 297172, 'host_hit_tokens': 232291, 'prompt_tokens': 1059700, 'recomputed_tokens': 40411,

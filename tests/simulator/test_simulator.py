@@ -14,7 +14,7 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys, workflows_from_rows
-from serving_integration.simulator.engine import INF, Server, SimConfig, Simulator, bound_metrics, simulate
+from serving_integration.simulator.engine import INF, LPM_QUEUE_MAX, Server, SimConfig, Simulator, bound_metrics, simulate
 
 H100 = CostModel("test-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
@@ -84,7 +84,7 @@ def small_workload(kind, n, seed):
        policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae",
                                "continuum", "lru_prefetch", "fifo", "slru", "oracle"]),
        prefetch=st.sampled_from(["none", "conservative", "aggressive", "kvflow", "last_call"]),
-       page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs", "lpm", "hrrn"]),
+       page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs", "lpm", "hrrn", "spf"]),
        end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]))  # None: never
 def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, scheduling, end):
     workflows = small_workload(kind, 12, seed)
@@ -227,6 +227,49 @@ def test_hrrn_admits_the_highest_response_ratio_first():
     server.waiting[2].queued_at_prefilled = -200_000  # 210000 / 301 = 698: waited long enough to go first
     server._cache_aware_order()
     assert [r.wf.id for r in server.waiting] == ["old_uncached", "cached", "new"]
+
+
+def test_spf_admits_the_fewest_tokens_to_prefill_first_and_caps_a_chunked_prefill_for_them():
+    """sim.scheduling=spf (SGLang's shortest-prefill-first): the queue sorted by the tokens each call
+    must prefill (prompt less cached prefix), fewest first, ties by arrival, and sorted above 128
+    waiting calls too. When the call at the head is part-way through its prefill, the calls behind
+    it shorter than what it has left reserve their tokens (page rounded) in the iteration's budget
+    while they fit in the budget less a page, and the head's chunk takes the rest."""
+    config = SimConfig(gpu_tokens=100_000, scheduling="spf", max_running_requests=1)
+    server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+    cached(server, ("sys", "doc"), (100, 400))
+    waiting_call(server, "uncached", ("other",), (300,), 1.0)  # 300 to prefill
+    waiting_call(server, "cached", ("sys", "doc", "q"), (100, 400, 20), 2.0)  # 20
+    waiting_call(server, "tie", ("fresh",), (20,), 3.0)  # 20 as well, later
+    waiting_call(server, "short", ("sys", "q2"), (100, 10), 4.0)  # 10
+    for n in range(LPM_QUEUE_MAX):
+        waiting_call(server, f"filler{n}", (f"f{n}",), (400,), 5.0 + n)
+    server._cache_aware_order()
+    assert [r.wf.id for r in server.waiting][:4] == ["short", "cached", "tie", "uncached"]
+
+    config = SimConfig(gpu_tokens=100_000, scheduling="spf", max_prefill_tokens=1000, page_size=16)
+    server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+    waiting_call(server, "long", ("long",), (3000,), 0.0)
+    server._admit()
+    server._prefill_iteration()  # nothing behind it: a full chunk of 1000
+    assert server.prefilling[0].prefill_left == 2000
+    for name, tokens in (("mid", 500), ("small", 100), ("longer", 2500)):
+        waiting_call(server, name, (name,), (tokens,), 1.0)
+    server._admit()
+    # small and mid are shorter than the 2000 long has left: they reserve 112 + 512 page-rounded
+    # tokens, long's chunk is (1000 - 624) // 16 * 16 = 368, and longer gets the 32 left over
+    server._prefill_iteration()
+    left = {r.wf.id: r.prefill_left for r in server.prefilling}
+    assert left == {"long": 2000 - 368, "longer": 2500 - 32} and server.prefilling[0].wf.id == "long"
+    fcfs = Server(SimConfig(gpu_tokens=100_000, max_prefill_tokens=1000, page_size=16), H100, 100_000, "lru",
+                  None, "none", 0.5)
+    waiting_call(fcfs, "long", ("long",), (3000,), 0.0)
+    fcfs._admit()
+    fcfs._prefill_iteration()
+    waiting_call(fcfs, "small", ("small",), (100,), 1.0)
+    fcfs._admit()
+    fcfs._prefill_iteration()  # fcfs: the head takes the whole budget
+    assert [r.prefill_left for r in fcfs.prefilling] == [1000, 100]
 
 
 def test_a_call_that_cannot_fit_evicts_nothing():
