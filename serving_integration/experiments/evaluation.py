@@ -344,6 +344,7 @@ class Setting:
         self.sim, self.cost = sim, cost
         self.labels = {**labels, "gpu_tokens": sim.gpu_tokens, "concurrency": sim.concurrency,
                        "replicas": sim.replicas, "routing": sim.routing, "scheduling": sim.scheduling,
+                       "partial_eviction": sim.partial_eviction,
                        "cost_model": cost.name, "end_signal_loss": sim.end_signal_loss,
                        "hicache_ratio": sim.hicache_ratio, "gpu_working_set_fraction": sim.gpu_working_set_fraction}
 

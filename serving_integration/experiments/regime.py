@@ -50,12 +50,13 @@ def number(v) -> bool:
 
 def cells(rows) -> dict[tuple, dict]:
     """{cell key: {"rows": the cell's rows, role: its row}} for the single-server policy rows sized
-    as a fraction of the working set, under SGLang's default FCFS admission (the admission section
-    compares the other orders); cells without an LRU row are left out."""
+    as a fraction of the working set, under SGLang's default FCFS admission and whole-node eviction
+    (the admission and eviction-unit sections compare the others); cells without an LRU row are left
+    out."""
     grouped = defaultdict(list)
     for r in rows:
         if is_main(r) and r.get(FRACTION) is not None and (r.get("replicas") or 1) == 1 \
-                and r.get("scheduling", "fcfs") == "fcfs":
+                and r.get("scheduling", "fcfs") == "fcfs" and not r.get("partial_eviction"):
             grouped[tuple(split_of(r) if k == "split" else r.get(k) for k in CELL)].append(r)
     out = {}
     for key, group in grouped.items():

@@ -94,7 +94,7 @@ def setting_of(r: dict) -> tuple:
 
 # the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
 WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
-          "cost_model", "hicache_ratio", "scheduling")
+          "cost_model", "hicache_ratio", "scheduling", "partial_eviction")
 
 
 def varying_keys(keys: list[tuple]) -> list[str]:
@@ -120,7 +120,7 @@ def common_settings(keys: list[tuple], varying: list[str]) -> str:
         return ""
     at = dict(zip(SETTING, keys[0]))
     defaults = {"end_signal_loss": (0, 0.0, None), "replicas": (1, None), "routing": ("none", None),
-                "scheduling": ("fcfs", None)}
+                "scheduling": ("fcfs", None), "partial_eviction": (False, None)}
     same = [in_words(k, at[k]) for k in WORDED if k not in varying and at[k] not in defaults.get(k, ())]
     return f"Every setting below: {', '.join(same)}." if same else ""
 
@@ -228,7 +228,7 @@ SETTING_NOTE = (
 
 # a configuration of a method: the knobs tuned on the validation split (memory point, K, gamma, prefetch)
 MATCH = ("workload", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
-         "scheduling")
+         "scheduling", "partial_eviction")
 
 
 def cell(r: dict, field: str, spec: str = "{:.2f}") -> str:
@@ -1061,10 +1061,12 @@ def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[s
     if not plots:
         plots = policy_bars(rows, tmp, splits_in(rows)[0])
     from serving_integration.experiments.admission import admission_section
+    from serving_integration.experiments.eviction_unit import eviction_unit_section
     from serving_integration.experiments.headroom import headroom_section
     from serving_integration.experiments.regime import regime_section
 
     optional = [("## Admission order against eviction order", admission_section(rows, tmp)),
+                ("## Eviction unit: whole nodes against a victim's tail", eviction_unit_section(rows)),
                 ("## Where prediction pays: GPU memory x host tier x live workflows", regime_section(rows, tmp)),
                 ("## Where the headroom lies: the eviction bound against each row", headroom_section(rows)),
                 ("## Prediction noise: regret and its linear fit", regret_md),

@@ -19,6 +19,7 @@ ROW_LABELS = {
     "end_signal_loss": 0.0,  # share of end-of-workflow signals lost (the simulator's sim.end_signal_loss)
     "replicas": 1, "routing": "none",  # simulated servers behind the router, and its routing policy
     "scheduling": "fcfs",  # the admission order (the simulator's sim.scheduling; the server's --schedule-policy)
+    "partial_eviction": False,  # a victim node gives up only its tail (sim.partial_eviction; SGLang: the whole node)
     "hicache_ratio": None,  # host KV tier = ratio x GPU tokens (0: none; None: a row that does not say)
     # the GPU size as a fraction of the live working set (sim.gpu_working_set_fraction; None: given in tokens);
     # gpu_tokens separates the settings, so the memory plots draw fractions on one GPU-size axis
@@ -26,7 +27,7 @@ ROW_LABELS = {
 }
 # rows compare only within one setting: the same replayed workflows under the same sizes
 SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens", "concurrency", "horizon", "gamma",
-           "end_signal_loss", "replicas", "routing", "hicache_ratio", "scheduling")
+           "end_signal_loss", "replicas", "routing", "hicache_ratio", "scheduling", "partial_eviction")
 
 
 # metrics every row carries, null where a run cannot compute them (the bench client has no bound; a

@@ -41,6 +41,7 @@ SETTING_WORDS = {  # how a heading says one setting key's value
     "cost_model": lambda v: f"cost model {v}",
     "hicache_ratio": lambda v: "host tier n/a" if v is None else "no host tier" if not v else f"host tier {v:g}x GPU",
     "scheduling": lambda v: f"{v} admission",
+    "partial_eviction": lambda v: "partial eviction" if v else "whole-node eviction",
 }
 
 

@@ -56,6 +56,10 @@ class SimConfig:
                            "prefill tokens served while waiting per uncached token first), spf (SGLang's "
                            "shortest-prefill-first: the fewest tokens to prefill first, a chunked prefill "
                            "capped for shorter ones)", one_of(SCHEDULING))
+    partial_eviction: bool = knob(False, "evict only the tail of a victim node, the fewest whole prompt units "
+                                  "that free the tokens still needed (the rest stays, in the victim's place "
+                                  "in the order), not the whole node as SGLang 0.5.23 does; simulator only: "
+                                  "the plugin evicts as SGLang does")
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

@@ -190,7 +190,8 @@ class Server:
         self.prefetch = Prefetch(prefetch, self.ledger)
         self.tree = RadixTree(gpu_tokens, int(self.config.hicache_ratio * gpu_tokens),
                               priority=self.policy.priority, on_delete=self._on_delete,
-                              on_split=self._on_split, on_evict=self._on_evict)
+                              on_split=self._on_split, on_evict=self._on_evict,
+                              partial_eviction=self.config.partial_eviction)
         self.now = 0.0
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []

@@ -67,8 +67,9 @@ class RadixTree:
                  priority: Callable[[Node], tuple] | None = None,
                  on_delete: Callable[[Node], None] | None = None,
                  on_split: Callable[[Node, Node], None] | None = None,
-                 on_evict: Callable[[Node], None] | None = None):
+                 on_evict: Callable[[Node], None] | None = None, partial_eviction: bool = False):
         self.gpu_capacity, self.host_capacity = gpu_tokens, host_tokens
+        self.partial_eviction = partial_eviction  # SimConfig.partial_eviction: evict a victim's tail only
         self.priority = priority or (lambda node: (node.last_access_time,))
         self.on_delete = on_delete or (lambda node: None)
         self.on_split = on_split or (lambda prefix, suffix: None)
@@ -356,6 +357,8 @@ class RadixTree:
             if allow is not None and not allow(node):
                 vetoed.append(node)
                 continue
+            if self.partial_eviction and node.num_tokens > tokens - freed:
+                self._split_off_tail(node, tokens - freed)
             node._gpu_entry = -1
             freed += node.num_tokens
             evicted.append(node)
@@ -373,6 +376,20 @@ class RadixTree:
         for node in vetoed:
             self.refresh(node)
         return evicted
+
+    def _split_off_tail(self, node: Node, tokens: int) -> None:
+        """Partial eviction: split `node` so that it keeps only its shortest tail of whole units that
+        holds `tokens`; the prefix before it stays in the tree with the node's place in the order
+        (its access time and priority), and the caller evicts the tail. A node of one unit, or one
+        whose every unit is needed, is left whole."""
+        tail = units = 0
+        for size in reversed(node.lens):
+            tail += size
+            units += 1
+            if tail >= tokens:
+                break
+        if units < len(node.units):
+            self._split(node, len(node.units) - units).last_access_time = node.last_access_time
 
     def evict_host(self, tokens: int) -> int:
         freed = 0

@@ -25,9 +25,9 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "unlock", "evict", 
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)  # the same examples in every run (CI)
-@given(ops=ops, gpu=st.integers(20, 60), host=st.integers(0, 80))
-def test_tree_invariants_under_random_operations(ops, gpu, host):
-    tree = RadixTree(gpu, host)
+@given(ops=ops, gpu=st.integers(20, 60), host=st.integers(0, 80), partial=st.booleans())
+def test_tree_invariants_under_random_operations(ops, gpu, host, partial):
+    tree = RadixTree(gpu, host, partial_eviction=partial)
     locked = []
     for op, units, n in ops:
         lens = [1 + u for u in units]  # units carry different token counts
@@ -85,8 +85,9 @@ def small_workload(kind, n, seed):
                                "continuum", "lru_prefetch", "fifo", "slru", "oracle"]),
        prefetch=st.sampled_from(["none", "conservative", "aggressive", "kvflow", "last_call"]),
        page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs", "lpm", "hrrn", "spf"]),
-       end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]))  # None: never
-def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, scheduling, end):
+       end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]),  # None: never
+       partial=st.booleans())
+def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page, scheduling, end, partial):
     workflows = small_workload(kind, 12, seed)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     gpu = max(gpu, max(c.prompt_tokens + c.output_tokens for w in workflows for c in w.calls))  # every call fits
@@ -97,7 +98,8 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     uses = policy in ("pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae", "oracle") or prefetch != "none"
     delay, loss, timeout = end
     config = SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page, end_signal_delay_s=delay,
-                       end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed, scheduling=scheduling)
+                       end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed, scheduling=scheduling,
+                       partial_eviction=partial)
     sim = AuditedSimulator(workflows, config, H100, policy=policy, prefetch=prefetch, predictions=source if uses else None)
     counters = sim.run()
     assert counters.ended_by_signal + counters.ended_by_timeout + len(sim.finished) == len(workflows)
@@ -115,6 +117,27 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     split = (counters.time_tool_s + counters.time_queue_s + counters.time_prefill_s + counters.time_decode_s
              + counters.time_pcie_s + counters.time_predictor_s)
     assert split == pytest.approx(sum(counters.latencies), rel=1e-9)
+
+
+def test_partial_eviction_frees_a_victims_tail_and_keeps_the_rest_in_its_place():
+    """sim.partial_eviction: a victim node gives up the fewest whole units of its tail that free
+    the tokens asked for; its prefix stays matchable and keeps the victim's access time (it is
+    not made recent by the split). Without it the whole node goes, as in SGLang."""
+    def tree_with(partial):
+        tree = RadixTree(100, partial_eviction=partial)
+        for units in (["a", "b", "c"], ["x"]):  # a-b-c older than x
+            tree.private_gpu += 10 * len(units)
+            tree.insert(units, [10] * len(units))
+            tree.private_gpu -= 10 * len(units)
+        return tree
+
+    whole, partial = tree_with(False), tree_with(True)
+    assert [n.num_tokens for n in whole.evict_gpu(5)] == [30]
+    assert [n.num_tokens for n in partial.evict_gpu(5)] == [10]  # only c
+    assert partial.peek(["a", "b", "c"]) == (2, 2) and whole.peek(["a", "b", "c"]) == (0, 0)
+    assert [n.units for n in partial.evict_gpu(15)] == [("a", "b")]  # still older than x: evicted next, whole
+    assert partial.peek(["x"]) == (1, 1)
+    audit(partial)
 
 
 def test_same_input_same_summary():
