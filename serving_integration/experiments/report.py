@@ -711,6 +711,9 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str, str]]:
         for r in rows:
             if is_main(r):
                 groups[tuple(r.get(k) for k in others)][label(r)].append(r)
+        # the worded settings that tell one plot of a workload from another (host tier, eviction unit, ...)
+        told = [k for k in WORDED if k in others and k != "workload"
+                and len({key[others.index(k)] for key in groups}) > 1]
         for key, by_label in sorted(groups.items(), key=lambda item: sort_key(item[0])):
             if len({r[axis] for pts in by_label.values() for r in pts}) < 2:
                 continue
@@ -747,7 +750,8 @@ def sweep_plots(rows, out: Path) -> list[tuple[str, str, str]]:
                 else:
                     series = chosen_series(series, rows_of, MAX_SERIES)
                 name = unique(f"{workload}_{split}_{axis}_{tag}.png")
-                title = f"{workload}, {split} split: {ylabel.split(' (')[0]} against {what}"
+                which = ", ".join(in_words(k, at[k]) for k in told)
+                title = f"{workload}, {split} split{f' ({which})' if which else ''}: {ylabel.split(' (')[0]} against {what}"
                 line_plot(out / name, title, xlabel, ylabel, {**series, **bound}, working_set,
                           percent=field == "hit_rate", dashed=tuple(bound))
                 made.append((name, title, split))
