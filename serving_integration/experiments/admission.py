@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from serving_integration.experiments.presentation import row_label
-from serving_integration.experiments.rows import SETTING
+from serving_integration.experiments.rows import setting_but
 from serving_integration.experiments.statistics import over_seeds, paired_ratios, per_seed, shown
 from serving_integration.experiments.tables import md_table, sort_key, split_of
 
@@ -25,17 +25,13 @@ NOTE = ("Each admission order (sim.scheduling, simulator/engine.py) with each ev
         "order changes the sequence, so a row under lpm can pass the bound of a row under FCFS.")
 
 
-def _setting(r: dict) -> tuple:
-    return tuple(r.get(k) for k in SETTING if k != "scheduling")
-
-
 def admission_groups(rows) -> dict[tuple, list[dict]]:
     """Settings (all but the admission order) replayed under more than one order, with their rows
     without prefetch on the test split."""
     groups = defaultdict(list)
     for r in rows:
         if r.get("comparison", "policies") == "policies" and r["prefetch"] == "none" and split_of(r) != "val":
-            groups[_setting(r)].append(r)
+            groups[tuple(setting_but(r, "scheduling").values())].append(r)
     return {k: g for k, g in groups.items() if len({r.get("scheduling", "fcfs") for r in g}) > 1}
 
 
@@ -98,7 +94,7 @@ def admission_section(rows, out: Path) -> str:
     parts = [NOTE, speed_up_figure(groups, out)]
     for key in sorted(groups, key=sort_key):
         group = groups[key]
-        at = dict(zip([k for k in SETTING if k != "scheduling"], key))
+        at = setting_but(group[0], "scheduling")
         base = _fcfs_lru(group)
         fraction = group[0].get("gpu_working_set_fraction")
         size = f"{fraction:g}x the working set" if fraction is not None else f"{at['gpu_tokens']} GPU tokens"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from serving_integration.experiments.presentation import row_label
-from serving_integration.experiments.rows import SETTING
+from serving_integration.experiments.rows import setting_but
 from serving_integration.experiments.statistics import over_seeds, paired_differences, paired_ratios, per_seed, shown
 from serving_integration.experiments.tables import md_table, sort_key, split_of
 
@@ -21,17 +21,13 @@ NOTE = ("Each policy with whole-node eviction (SGLang 0.5.23's: a victim node go
         "both.")
 
 
-def _setting(r: dict) -> tuple:
-    return tuple(r.get(k) for k in SETTING if k != "partial_eviction")
-
-
 def eviction_unit_pairs(rows) -> dict[tuple, list[tuple[dict, dict]]]:
     """Settings (all but the eviction unit) replayed both ways: their (whole, partial) row pairs of
     one policy, without prefetch, on the test split."""
     found = defaultdict(dict)
     for r in rows:
         if r.get("comparison", "policies") == "policies" and r["prefetch"] == "none" and split_of(r) == "test":
-            found[_setting(r)].setdefault(row_label(r), {})[bool(r.get("partial_eviction"))] = r
+            found[tuple(setting_but(r, "partial_eviction").values())].setdefault(row_label(r), {})[bool(r.get("partial_eviction"))] = r
     pairs = {key: [(by[False], by[True]) for _, by in sorted(labels.items()) if len(by) == 2]
              for key, labels in found.items()}
     return {key: p for key, p in pairs.items() if p}
@@ -52,8 +48,8 @@ def eviction_unit_section(rows) -> str:
         return ""
     parts = [NOTE]
     for key in sorted(pairs, key=sort_key):
-        at = dict(zip([k for k in SETTING if k != "partial_eviction"], key))
         whole0 = pairs[key][0][0]
+        at = setting_but(whole0, "partial_eviction")
         fraction = whole0.get("gpu_working_set_fraction")
         size = f"{fraction:g}x the working set" if fraction is not None else f"{at['gpu_tokens']} GPU tokens"
         host = "no host tier" if not at.get("hicache_ratio") else f"host tier {at['hicache_ratio']:g}x GPU"

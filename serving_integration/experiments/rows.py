@@ -30,6 +30,11 @@ SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens"
            "end_signal_loss", "replicas", "routing", "hicache_ratio", "scheduling", "partial_eviction")
 
 
+def setting_but(r: dict, compared: str) -> dict:
+    """The row's setting (SETTING's keys and values) less the one key a section compares across."""
+    return {k: r.get(k) for k in SETTING if k != compared}
+
+
 # metrics every row carries, null where a run cannot compute them (the bench client has no bound; a
 # summary.json written before a metric existed lacks it). Per row, on the row's own request sequence
 # (serving_integration/simulator/bound.py, where each is proven; summed over replicas in a cluster):
