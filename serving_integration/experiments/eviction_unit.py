@@ -27,10 +27,20 @@ def eviction_unit_pairs(rows) -> dict[tuple, list[tuple[dict, dict]]]:
     found = defaultdict(dict)
     for r in rows:
         if r.get("comparison", "policies") == "policies" and r["prefetch"] == "none" and split_of(r) == "test":
-            found[tuple(setting_but(r, "partial_eviction").values())].setdefault(row_label(r), {})[bool(r.get("partial_eviction"))] = r
+            by_policy = found[tuple(setting_but(r, "partial_eviction").values())]
+            by_policy.setdefault(row_label(r), {})[bool(r.get("partial_eviction"))] = r
     pairs = {key: [(by[False], by[True]) for _, by in sorted(labels.items()) if len(by) == 2]
              for key, labels in found.items()}
     return {key: p for key, p in pairs.items() if p}
+
+
+def _size(r: dict) -> str:
+    fraction = r.get("gpu_working_set_fraction")
+    return f"{fraction:g}x the working set" if fraction is not None else f"{r['gpu_tokens']} GPU tokens"
+
+
+def _host(r: dict) -> str:
+    return "no host tier" if not r.get("hicache_ratio") else f"host tier {r['hicache_ratio']:g}x GPU"
 
 
 def _speed_up(whole: dict, partial: dict):
@@ -50,11 +60,8 @@ def eviction_unit_section(rows) -> str:
     for key in sorted(pairs, key=sort_key):
         whole0 = pairs[key][0][0]
         at = setting_but(whole0, "partial_eviction")
-        fraction = whole0.get("gpu_working_set_fraction")
-        size = f"{fraction:g}x the working set" if fraction is not None else f"{at['gpu_tokens']} GPU tokens"
-        host = "no host tier" if not at.get("hicache_ratio") else f"host tier {at['hicache_ratio']:g}x GPU"
-        parts.append(f"**{at['workload']}**, {size} ({at['gpu_tokens']:,} GPU tokens), {host}, {at['concurrency']} "
-                     f"live workflows, {len(per_seed(whole0, 'hit_rate'))} seed(s)")
+        parts.append(f"**{at['workload']}**, {_size(whole0)} ({at['gpu_tokens']:,} GPU tokens), {_host(whole0)}, "
+                     f"{at['concurrency']} live workflows, {len(per_seed(whole0, 'hit_rate'))} seed(s)")
         head = ["policy", "mean latency (s): whole", "partial", "speed-up of partial", "recomputed: whole", "partial",
                 "difference (points)", "GPU hits: whole", "partial", "difference (points)"]
         body = [[row_label(whole), shown(over_seeds(per_seed(whole, "mean_workflow_latency_s"))),
@@ -75,8 +82,8 @@ def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
     """How often partial eviction is faster beyond its interval, slower, or neither; and where it moves
     the recomputed work most."""
     faster = slower = same = 0
-    largest = None  # (points of recompute saved, where)
-    for key, group in pairs.items():
+    largest = None  # (points of recomputed prompt tokens saved, whole row, partial row)
+    for group in pairs.values():
         for whole, partial in group:
             gain = _speed_up(whole, partial)
             if gain.low is not None and gain.low > 1:
@@ -86,16 +93,13 @@ def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
             else:
                 same += 1
             saved = -_points(whole, partial, "recompute_rate").value
-            fraction = whole.get("gpu_working_set_fraction")
-            where = (f"{row_label(whole)} on {whole['workload']} at "
-                     f"{f'{fraction:g}x the working set' if fraction is not None else whole['gpu_tokens']}, "
-                     f"{'no host tier' if not whole.get('hicache_ratio') else 'host tier'}")
             if largest is None or saved > largest[0]:
-                largest = (saved, where, whole, partial)
+                largest = (saved, whole, partial)
     text = (f"Of {faster + slower + same} policy rows, partial eviction is faster than whole-node eviction beyond "
             f"the interval in {faster}, slower in {slower}, and neither in {same}.")
     if largest is not None:
-        saved, where, whole, partial = largest
+        _, whole, partial = largest
+        where = f"{row_label(whole)} on {whole['workload']} at {_size(whole)}, {_host(whole)}"
         text += (f" It saves the most recomputed work for {where}: {whole['recompute_rate']:.1%} of prompt tokens "
                  f"recomputed whole, {partial['recompute_rate']:.1%} partial (GPU hits {whole['hit_rate']:.1%} "
                  f"and {partial['hit_rate']:.1%}; means over seeds), speed-up "
