@@ -93,6 +93,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             **{f"pbkv [{trust}]": {"predictions": PerfectSource(names, 3), "policy_options": {"trust": trust}}
                for trust in TRUST_MODES},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
+            "pbkv_time": {"predictions": PerfectSource(names, 3)},
             "oracle": {"predictions": PerfectSource(names, 3)}}
     if checkpoint:
         runs.update(checkpoint_runs(checkpoint, names))

@@ -81,11 +81,17 @@ class PbkvConfig(TrustConfig):
     horizon: int = knob(3, "K: calls of each workflow predicted ahead (a predictor checkpoint's own K must "
                         "agree with it)", at_least(1))
     gamma: float = knob(0.5, "discount of step k: gamma^(k-1)", above(0), at_most(1))
+    time_tau_s: float = knob(10.0, "pbkv_time: a read expected T seconds from now counts exp(-T / tau) of one "
+                             "now (very large: no discount, PBKV's score with the queued calls known)", above(0))
 
     @property
     def trust_modes(self) -> tuple[str, ...]:
         """pbkv.trust as a tuple: evaluate.py runs a pbkv row under each mode."""
         return (self.trust,) if isinstance(self.trust, str) else tuple(self.trust)
+
+    def time_options(self) -> dict:
+        """The policies.PBKVTime keyword arguments."""
+        return {"time_tau_s": self.time_tau_s, "gamma": self.gamma}
 
     def trust_options(self, mode: str) -> dict:
         """The policies.PBKV keyword arguments under one trust mode."""

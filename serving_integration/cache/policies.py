@@ -19,6 +19,8 @@ Policies (docs/simulator.md; PBKV, arXiv 2605.06472):
                trust="outcome" (default) orders as pbkv_lae while that order wins on shadow
                caches (cache/trust.py); "accuracy" while the predictions prove poor;
                "always" is the paper's policy
+    pbkv_time  PBKV's score with each read discounted by when it is expected (the predictor's
+               times) and the calls waiting in the admission queue known (PBKVTime)
     oracle     clairvoyant: furthest next use first (simulator only; it needs the real future)
 
 PBKV's score of node c with the live workflows W_act(c) that used it:
@@ -49,6 +51,7 @@ import operator
 from functools import reduce
 from typing import Callable, ClassVar, Iterable, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from data.knobs import build
@@ -397,6 +400,8 @@ class EvictionPolicy:
     uses_predictions: ClassVar[bool] = False
     reads_ledger: ClassVar[bool] = False  # True: its order reads the WorkflowLedger (who used a node, their predictions)
     reads_step_graph: ClassVar[bool] = False  # True: an agent step graph drives it (KVFlow's; the plugin's step_graph_traces)
+    reads_queue: ClassVar[bool] = False  # True: told each call that enters the admission queue (on_queued)
+    reads_times: ClassVar[bool] = False  # True: told each batch of predictions with its times (on_predictions)
 
     def priority(self, node: CacheNode) -> tuple:
         raise NotImplementedError
@@ -455,6 +460,18 @@ class EvictionPolicy:
     def on_call_finished(self, workflow: str, agent: str, node_ids: Sequence[int], context_tokens: int,
                          more_calls: bool) -> list[int]:
         """A call finished (a tool call follows when more_calls); the nodes whose priority changed."""
+        return []
+
+    def on_queued(self, workflow: str, agent: str, node_ids: Sequence[int], t: float) -> list[int]:
+        """A call of `agent` entered the admission queue at time t; `node_ids`: the cached path of its
+        prompt, read without touching the tree. The nodes whose priority changed."""
+        return []
+
+    def on_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs, seconds,
+                       now: float) -> list[int]:
+        """A batch of predictions made at time `now`: probs [B, K, A+1] (END last), seconds [B, K] the
+        median time until each of the K calls from now (None: the source gives no times). The nodes
+        whose priority changed."""
         return []
 
     def on_time(self, now: float) -> list[int]:
@@ -570,6 +587,145 @@ class PBKV(_LedgerPolicy):
         return (1, self.ledger.score(node.id) if self.trusted else 0.0, node.last_access_time)
 
 
+class PBKVTime(_LedgerPolicy):
+    r"""pbkv_time: PBKV's lookahead score, each read discounted by when it is expected; a call
+    already waiting in the server's admission queue counts as a certain read of its prompt's path.
+
+    .. math::
+        V(c) = \sum_{w \in W_{act}(c)} \Big( [c \in \pi_w] e^{-t_w^{q} / \tau}
+               + \sum_{k=k_w}^{K} \gamma^{k-1} s_w^{(k)} \langle A_w(c), P_w^{(k)} \rangle
+                 e^{-(t_w + T_w^{(k)}) / \tau} \Big)
+
+    Nodes go lowest value first: retired cache first (as in PBKV), then live cache by ascending
+    log V (LRU breaks ties, and orders the live nodes no term reaches). t_w is when w's latest
+    prediction was made (the end of its latest call), T_w^(k) the predictor's median time until
+    its k-th next call (0 from a source without times, and in traces without gaps); pi_w the
+    cached path of w's queued call, t_w^q the time it entered the queue. Once w's next call has come
+    (queued, running, or finished before the next prediction), the prediction's step 1 is that
+    call, known: the sum starts at k_w = 2; otherwise at 1.
+
+    Why: the eviction bound's headroom over LRU and PBKV lies mostly in reads of workflows queued
+    for admission (docs/results/headroom.md), and with tool calls short against the queue (the
+    real traces' calls follow each other at once) the workflows cycle through the FCFS queue:
+    LRU then evicts first the context of the call admitted next, the cyclic pathology, and keeps a
+    slice of every workflow. Belady keeps the front of the queue and gives up its back; so does
+    this order, whose earlier reads weigh more (e^{-t/tau} is larger for smaller t): the context
+    of the call that just finished and queued again at the back goes first, and a stable set of
+    workflows stays whole. tau trades the time of a read against its probability: a very large tau
+    is PBKV's score with the queued calls known; a small one orders by expected time alone. The
+    exponential keeps the order fixed as time passes (every value scales by the same
+    e^{\Delta/\tau}), so a node's priority changes only when its workflows' state does; it is
+    kept as a logarithm (sums by log-sum-exp), which neither overflows nor underflows.
+
+    Args:
+        ledger: who used each node (the WorkflowLedger).
+        time_tau_s: tau, seconds (PbkvConfig.time_tau_s).
+        gamma: the step discount (PbkvConfig.gamma).
+    """
+
+    name = "pbkv_time"
+    uses_predictions = True
+    reads_queue = True
+    reads_times = True
+
+    def __init__(self, ledger: WorkflowLedger, time_tau_s: float = PbkvConfig.time_tau_s,
+                 gamma: float = PbkvConfig.gamma):
+        super().__init__(ledger)
+        if not time_tau_s > 0:
+            raise ValueError(f"pbkv.time_tau_s must be above 0; got {time_tau_s}")
+        self.tau, self.gamma = time_tau_s, gamma
+        # workflow -> (log of the discount of its prediction's time, agent -> value from step 1 on,
+        # agent -> value from step 2 on), the values relative to that discount
+        self.predicted: dict[str, tuple[float, dict[str, float], dict[str, float]]] = {}
+        self.busy: dict[str, None] = {}  # workflows whose predicted step 1 came: queued, running or done
+        self.queued_on: dict[int, dict[str, float]] = {}  # node id -> queued workflow -> -t^q / tau
+        self.queued_path: dict[str, list[int]] = {}  # queued (or running) workflow -> its path's node ids
+
+    def _log_discount(self, t: float) -> float:
+        return -t / self.tau
+
+    def on_predictions(self, workflows, agent_names, probs, seconds, now):
+        probs = probs.numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
+        probs = probs.astype(np.float64, copy=False)
+        _, horizon, _ = probs.shape
+        alive = np.cumprod(np.concatenate([np.ones_like(probs[:, :1, -1]), 1.0 - probs[:, :-1, -1]], axis=1), axis=1)
+        weight = alive * self.gamma ** np.arange(horizon)[None, :]  # gamma^(k-1) s^(k)
+        if seconds is not None:
+            weight = weight * np.exp(-np.clip(np.asarray(seconds, dtype=np.float64), 0.0, None) / self.tau)
+        agents = probs[:, :, :-1] * weight[:, :, None]
+        later = agents[:, 1:].sum(axis=1).tolist()
+        total = (agents[:, 0] + agents[:, 1:].sum(axis=1)).tolist()
+        offset, changed = self._log_discount(now), []
+        for i, w in enumerate(workflows):
+            if not self.ledger.is_live(w):
+                continue
+            self.predicted[w] = (offset, dict(zip(agent_names, total[i])), dict(zip(agent_names, later[i])))
+            if w not in self.queued_path:  # made after its latest call finished, before the next one came
+                self.busy.pop(w, None)
+            changed.extend(self.ledger.nodes_of[w])
+        return changed
+
+    def on_queued(self, workflow, agent, node_ids, t):
+        self._leave_queue(workflow)
+        log_t = self._log_discount(t)
+        for node_id in node_ids:
+            self.queued_on.setdefault(node_id, {})[workflow] = log_t
+        self.queued_path[workflow] = list(node_ids)
+        self.busy[workflow] = None
+        return [*self.ledger.nodes_of.get(workflow, ()), *node_ids]
+
+    def on_call_finished(self, workflow, agent, node_ids, context_tokens, more_calls):
+        """The call leaves the queue's reads; its workflow stays busy (the latest prediction's step 1
+        is the call that ran) until the next prediction."""
+        self._leave_queue(workflow)
+        if not more_calls:
+            self.predicted.pop(workflow, None)
+            self.busy.pop(workflow, None)
+        return list(self.ledger.nodes_of.get(workflow, ()))
+
+    def _leave_queue(self, workflow: str) -> None:
+        for node_id in self.queued_path.pop(workflow, ()):
+            readers = self.queued_on.get(node_id)
+            if readers is not None:
+                readers.pop(workflow, None)
+                if not readers:
+                    del self.queued_on[node_id]
+
+    def on_split(self, prefix, suffix):
+        readers = self.queued_on.get(suffix.id)
+        if readers:
+            self.queued_on[prefix.id] = dict(readers)
+            for w in readers:
+                self.queued_path[w].append(prefix.id)
+
+    def forget(self, node):
+        self.queued_on.pop(node.id, None)
+
+    def log_value(self, node_id: int) -> float:
+        """log V(c) (-inf where no term reaches the node)."""
+        users = self.ledger.users.get(node_id)
+        terms = list(self.queued_on.get(node_id, {}).values())
+        predicted, busy = self.predicted, self.busy
+        for w, agents in (users or {}).items():
+            known = predicted.get(w)
+            if known is None:
+                continue
+            offset, total, later = known
+            table = later if w in busy else total
+            part = sum(table.get(a, 0.0) for a in agents)
+            if part > 0:
+                terms.append(offset + math.log(part))
+        if not terms:
+            return -INF
+        top = max(terms)
+        return top + math.log(sum(math.exp(x - top) for x in terms)) if len(terms) > 1 else top
+
+    def priority(self, node):
+        if self.ledger.is_retired(node.id):
+            return (0, 0.0, node.last_access_time)
+        return (1, self.log_value(node.id), node.last_access_time)
+
+
 class KVFlow(_LedgerPolicy):
     """Idealised KVFlow (`kvflow_ideal`): larger steps-to-execution first (retired cache counts as
     never needed); a parent inherits the largest value of its evicted children; LRU breaks ties.
@@ -643,7 +799,7 @@ def register(*classes: type[EvictionPolicy]) -> None:
     STEP_GRAPH_POLICIES = tuple(name for name in PLUGIN_POLICIES if POLICIES[name].reads_step_graph)
 
 
-register(LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, Oracle)
+register(LRU, LFU, TLRU, KVFlow, LifecycleLRU, PBKV, PBKVTime, Oracle)
 
 
 def make_policy(name: str, ledger: WorkflowLedger, next_use: Callable | None = None, **options) -> EvictionPolicy:

@@ -47,6 +47,18 @@ class PredictionSource(Protocol):
     # optional: `finished(workflow)`, told when a workflow ends (OnlineBackoff learns from it)
 
 
+def predict_times(source, workflows: Sequence[LiveWorkflow]) -> np.ndarray | None:
+    """[B, K] the median seconds until each of the K next calls of each workflow, from the end of
+    its latest call, from the first source of the chain (a wrapper's `inner`) that gives times
+    (`predict_times`); None where none does."""
+    while source is not None:
+        times = getattr(source, "predict_times", None)
+        if times is not None:
+            return times(workflows)
+        source = getattr(source, "inner", None)
+    return None
+
+
 def tell_finished(source, workflow) -> None:
     """Tell a source (and the sources it wraps) that a workflow ended."""
     while source is not None:
@@ -113,20 +125,28 @@ class PrefixTable:
     may be tabled (`batch_invariant`): then the table's rows are the very floats a per-step batch
     would have had."""
 
-    def __init__(self, predict: Callable, workflows: Sequence, batch_size: int = 8192):
+    def __init__(self, predict: Callable, workflows: Sequence, batch_size: int = 8192,
+                 times: Callable | None = None):
+        """`times`: the source's [B, K] times for a batch of prefixes (None: it gives none); they
+        are tabled on the first `lookup_times`, in the same batches."""
         self.rows: dict[str, tuple[list, int]] = {}  # workflow id -> (its calls, row of its first prefix)
-        chunks, pending, total = [], [], 0
+        self._batches: list[list] = []
+        pending, total = [], 0
         for w in workflows:
             self.rows[w.id] = (w.calls, total)
             for n in range(1, len(w.calls) + 1):
                 pending.append(_Prefix(w, n))
             total += len(w.calls)
             if len(pending) >= batch_size:
-                chunks.append(predict(pending).numpy())
+                self._batches.append(pending)
                 pending = []
         if pending:
-            chunks.append(predict(pending).numpy())
+            self._batches.append(pending)
+        chunks = [predict(batch).numpy() for batch in self._batches]
         self.probs = np.concatenate(chunks) if chunks else None
+        self._times, self.seconds = times, None
+        if times is None:
+            self._batches = []
         self._folded: dict[float, tuple[np.ndarray, int]] = {}  # gamma -> (packed Folded rows, agents)
 
     def covers(self, workflows: Sequence) -> bool:
@@ -146,6 +166,21 @@ class PrefixTable:
         index = self.index(workflows)
         return None if index is None else torch.from_numpy(self.probs[index])
 
+    def lookup_times(self, workflows) -> np.ndarray | None:
+        """The tabled times of these workflows (computed for the whole table on the first call),
+        or None if the source gives none or a workflow is not in the table."""
+        index = self.index(workflows)
+        if index is None or self._times is None:
+            return None
+        if self.seconds is None:
+            chunks = [self._times(batch) for batch in self._batches]
+            self._batches = []
+            if any(c is None for c in chunks):  # a source without times (a checkpoint saved before them)
+                self._times = None
+                return None
+            self.seconds = np.concatenate([np.asarray(c) for c in chunks])
+        return self.seconds[index]
+
     def lookup_folded(self, workflows, gamma: float) -> Folded | None:
         """The folded rows (`fold`, computed once for the whole table) of these workflows."""
         index = self.index(workflows)
@@ -162,13 +197,14 @@ class _Prefix:
     """A workflow as it stands after its n-th call (SimWorkflow's view of `agents`, `hidden` and
     `future_agents` at next_call = n)."""
 
-    __slots__ = ("id", "task", "agents", "hidden", "future_agents")
+    __slots__ = ("id", "task", "agents", "hidden", "future_agents", "future_gaps")
 
     def __init__(self, w, n: int):
         calls = w.calls
         self.id, self.task = w.id, w.task
         self.agents = [c.agent for c in calls[:n]]
         self.future_agents = [c.agent for c in calls[n:]]
+        self.future_gaps = [c.tool_time for c in calls[n:]]
         self.hidden = calls[n - 1].hidden
 
 
@@ -178,7 +214,7 @@ def tabulate(source, workflows: Sequence) -> None:
     running per step, on the tabled predictions of what they wrap."""
     while source is not None:
         if getattr(source, "batch_invariant", False) and not (source.table and source.table.covers(workflows)):
-            source.table = PrefixTable(source.predict_uncached, workflows)
+            source.table = PrefixTable(source.predict_uncached, workflows, times=getattr(source, "times_uncached", None))
         source = getattr(source, "inner", None)
 
 
@@ -199,6 +235,17 @@ class _Tabled:
         """The predictions already folded for the cache (`fold`), from the table; None without one."""
         return self.table.lookup_folded(workflows, gamma) if self.table is not None else None
 
+    def times_uncached(self, workflows) -> np.ndarray | None:
+        return None  # a source that gives times says so
+
+    def predict_times(self, workflows) -> np.ndarray | None:
+        """[B, K] median seconds until each next call (`predict_times`), from the table when it has them."""
+        if self.table is not None:
+            seconds = self.table.lookup_times(workflows)
+            if seconds is not None:
+                return seconds
+        return self.times_uncached(workflows)
+
 
 class ModelSource(_Tabled):
     """A trained predictor (train.py checkpoint). Tabled before a replay when its rows do not
@@ -216,6 +263,15 @@ class ModelSource(_Tabled):
 
     def predict_uncached(self, workflows):
         return self.predictor.predict([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
+
+    def times_uncached(self, workflows) -> np.ndarray | None:
+        """The predictor's median time until each next call (the quantile level nearest 0.5); None
+        for a checkpoint saved before predictors gave times."""
+        if getattr(self.predictor, "time_spec", None) is None:
+            return None
+        levels = np.asarray(self.predictor.time_quantiles)
+        _, seconds = self.predictor.predict_when([WorkflowPrefix(w.agents, w.task, w.hidden) for w in workflows])
+        return seconds[..., int(np.abs(levels - 0.5).argmin())].numpy().astype(np.float64)
 
 
 def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horizon: int) -> torch.Tensor:
@@ -340,6 +396,14 @@ class PerfectSource(_Tabled):
 
     def predict_uncached(self, workflows):
         return _one_hot_paths([w.future_agents[: self.horizon] for w in workflows], self.agent_names, self.horizon)
+
+    def times_uncached(self, workflows) -> np.ndarray:
+        """The true tool times until each next call (summed; the queueing is the server's to know)."""
+        out = np.zeros((len(workflows), self.horizon))
+        for b, w in enumerate(workflows):
+            gaps = np.cumsum(w.future_gaps[: self.horizon])
+            out[b, : len(gaps)] = gaps
+        return out
 
 
 class AgentStepGraph(_Tabled):

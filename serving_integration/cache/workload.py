@@ -83,6 +83,11 @@ class SimWorkflow:
         return [c.agent for c in self.calls[self.next_call:]]
 
     @property
+    def future_gaps(self) -> list[float]:
+        """The tool time before each remaining call (only the perfect predictor reads these)."""
+        return [c.tool_time for c in self.calls[self.next_call:]]
+
+    @property
     def hidden(self) -> list | None:
         return self.calls[self.next_call - 1].hidden if self.next_call else None
 

@@ -54,7 +54,7 @@ def speed_up_figure(groups: dict[tuple, list[dict]], out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from serving_integration.experiments.presentation import save_figure
+    from serving_integration.experiments.presentation import section_figure
 
     keys = sorted(groups, key=sort_key)
     orders = [o for o in ORDERS if any(r.get("scheduling", "fcfs") == o for g in groups.values() for r in g)]
@@ -78,11 +78,8 @@ def speed_up_figure(groups: dict[tuple, list[dict]], out: Path) -> str:
     ax.set_ylabel("speed-up vs FCFS LRU (mean latency)")
     ax.set_title("Admission order and eviction order, test split, mean ± 95% CI over seeds", fontsize=9)
     ax.legend(fontsize=7, ncol=len(orders))
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, out / "admission_speedup.png", dpi=110)
-    plt.close(fig)
-    return "![speed-up over FCFS LRU of lru and pbkv under each admission order, test split](admission_speedup.png)"
+    return section_figure(fig, out, "admission_speedup.png",
+                          "speed-up over FCFS LRU of lru and pbkv under each admission order, test split")
 
 
 def admission_section(rows, out: Path) -> str:

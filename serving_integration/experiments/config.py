@@ -30,10 +30,11 @@ SPLITS = ("train", "val", "test", "all")
 
 
 def evaluated_policies() -> tuple[str, ...]:
-    """Every eviction policy (cache/policies.py), plus pbkv_perfect: pbkv fed the true future agents."""
+    """Every eviction policy (cache/policies.py), plus pbkv_perfect and pbkv_time_perfect: pbkv and
+    pbkv_time fed the true future agents (and tool times)."""
     from serving_integration.cache.policies import POLICIES
 
-    return (*POLICIES, "pbkv_perfect")
+    return (*POLICIES, "pbkv_perfect", "pbkv_time_perfect")
 
 
 def model_families() -> tuple[str, ...]:

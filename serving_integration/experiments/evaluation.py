@@ -20,6 +20,9 @@ the same workflows and seed. The policies (`policies=[...]`):
     pbkv              the hierarchical PBKV score from the predictor (predictor.checkpoint, else a
                       first-order Markov predictor fitted on the train split)
     pbkv_perfect      the same score fed the true future agents (a perfect predictor)
+    pbkv_time         PBKV's score with each read discounted by when it is expected (the predictor's
+                      times, pbkv.time_tau_s) and the queued calls known (cache/policies.py PBKVTime);
+    pbkv_time_perfect its own order always (no trust modes yet); _perfect: the true agents and tool times
     oracle            clairvoyant eviction by furthest next use of the real future, prefetching
                       for the true next calls: a heuristic reference, not a bound (policies can
                       beat it); every row carries proven bounds on its own request sequence
@@ -81,7 +84,8 @@ from serving_integration.simulator.engine import simulate
 
 log = logging.getLogger(__name__)
 
-PREDICTIVE = ("pbkv", "pbkv_perfect")
+PREDICTIVE = ("pbkv", "pbkv_perfect", "pbkv_time", "pbkv_time_perfect")
+LEARNED = ("pbkv", "pbkv_time")  # the rows the learned predictor drives (the others: the true future)
 
 
 def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizon: int) -> Path:
@@ -197,6 +201,12 @@ def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
             yield name, OWN_PREFETCH[name], "none", dict(policy=name, prefetch=OWN_PREFETCH[name])
         elif name == "continuum":
             yield name, "none", "none", dict(policy=name, policy_options=dataclasses.asdict(knobs.continuum))
+        elif name in ("pbkv_time", "pbkv_time_perfect"):  # no trust modes yet: always its own order
+            source, label = (learned[0], learned[1]["family"]) if name in LEARNED else (perfect, "perfect")
+            for mode in knobs.run.prefetch:
+                yield name, mode, label, dict(policy="pbkv_time", policy_options=pbkv.time_options(), prefetch=mode,
+                                              gamma=pbkv.gamma, trust="always",
+                                              predictions=for_run(p, source, seed, learned=name in LEARNED))
         elif name in PREDICTIVE:
             source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound
@@ -300,7 +310,7 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int,
                       seed=seed, split=replay.split)
     routes_by_prediction = sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
     learned = (learned_source(p, replay, seed, pbkv.horizon)
-               if "pbkv" in knobs.run.policies or routes_by_prediction else None)
+               if set(LEARNED) & set(knobs.run.policies) or routes_by_prediction else None)
     rows = []
     for name, mode, label, kwargs in policy_runs(knobs, replay, learned, seed):
         if routes_by_prediction and kwargs.get("predictions") is None:
@@ -311,7 +321,7 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int,
         if name in PREDICTIVE:
             fields["noise_kind"] = p.noise_kind
         rows.append(setting.run(replay.workflows, name, mode, kwargs, **fields))
-        if name == "pbkv":  # the predictor's own test top-1 at k=1 (train.py's, on this dataset's test split)
+        if name in LEARNED:  # the predictor's own test top-1 at k=1 (train.py's, on this dataset's test split)
             rows[-1]["predictor_top1_k1"] = learned[1].get("test_metrics", {}).get("test/top1_k1")
         log.info("%s/%s/%s: hit rate %.3f", name, mode, fields["trust"], rows[-1]["hit_rate"])
     if kv.budget:

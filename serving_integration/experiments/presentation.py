@@ -25,7 +25,7 @@ def row_label(r: dict) -> str:
             name += f"+{r['prefetch']}"
     elif r["prefetch"] != "none":
         name += f"+{r['prefetch']}"
-    if r["policy"] == "pbkv" and r.get("predictor") not in (None, "none", "markov"):
+    if r["policy"] in ("pbkv", "pbkv_time") and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
     if r["policy"] == "pbkv" and r.get("predictor") != "perfect" and r.get("trust") in ("always", "accuracy"):
         name += f" [{r['trust']}]"  # always: the paper's policy; outcome trust is pbkv's default
@@ -144,6 +144,17 @@ def save_figure(fig, path: Path, **kwargs) -> None:
 
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs)
+
+
+def section_figure(fig, out: Path, name: str, alt: str) -> str:
+    """A report section's figure laid out, written into `out` as `name` and closed; its Markdown line."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, out / name, dpi=110)
+    plt.close(fig)
+    return f"![{alt}]({name})"
 
 
 def log_wandb(cfg: DictConfig, summary: dict, plots: list[Path], run_dir: Path) -> None:

@@ -1068,8 +1068,10 @@ def report_body(rows, tmp: Path, claims: bool = True) -> tuple[str, list[tuple[s
     from serving_integration.experiments.eviction_unit import eviction_unit_section
     from serving_integration.experiments.headroom import headroom_section
     from serving_integration.experiments.regime import regime_section
+    from serving_integration.experiments.time_aware import time_aware_section
 
-    optional = [("## Admission order against eviction order", admission_section(rows, tmp)),
+    optional = [("## Time-aware eviction: pbkv_time against the field", time_aware_section(rows, tmp)),
+                ("## Admission order against eviction order", admission_section(rows, tmp)),
                 ("## Eviction unit: whole nodes against a victim's tail", eviction_unit_section(rows)),
                 ("## Where prediction pays: GPU memory x host tier x live workflows", regime_section(rows, tmp)),
                 ("## Where the headroom lies: the eviction bound against each row", headroom_section(rows)),

@@ -216,14 +216,14 @@ def server_report(step: dict, runs: Path) -> str:
 
 def comparison_of(report_md: str) -> str:
     """The real-against-simulated table and its checks from a validate_sim report.md (it comes last),
-    with a blank line after the table so the checks read as text."""
+    the checks on one line after a blank one, so they read as text."""
     lines = report_md.rstrip().splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("policy |")), None)
     if start is None:
         return report_md.strip()
     table = [line for line in lines[start:] if " | " in line]
     checks = [line for line in lines[start + len(table):] if line.strip()]
-    return "\n".join(table) + "\n\n" + "\n".join(f"- {c}" for c in checks)
+    return "\n".join(table) + ("\n\nChecks: " + "; ".join(checks) + "." if checks else "")
 
 
 def bench_page(steps: list[dict], runs: Path, record: dict) -> str:

@@ -163,7 +163,7 @@ def sim_run(rows: list[dict], policy: str, config, cost, predictor=None, tool_ti
     kwargs: dict = {"policy": policy, "prefetch": DEFAULT_PREFETCH.get(policy, "none")}
     if policy in PLUGIN_POLICIES:  # the plugin's defaults: pbkv prefetches (conservative), pbkv_lae does not
         kwargs["gamma"] = gamma
-        if policy == "pbkv" or Prefetch(kwargs["prefetch"], None).uses_predictions:  # lru_prefetch ranks without
+        if policy in ("pbkv", "pbkv_time") or Prefetch(kwargs["prefetch"], None).uses_predictions:  # lru_prefetch: none
             kwargs["predictions"] = ModelSource(predictor)
     if config.routing == "pbkv" and "predictions" not in kwargs:  # the pbkv router reads the ledgers' values
         kwargs["predictions"] = ModelSource(predictor)
@@ -328,9 +328,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unsupported = [p for p in policies if p not in ("lru", "lfu", "pbkv_lae", "pbkv")]
+    unsupported = [p for p in policies if p not in ("lru", "lfu", "pbkv_lae", "pbkv", "pbkv_time")]
     if unsupported:
-        print(f"error: validate_sim runs lru, lfu, pbkv_lae and pbkv; not {unsupported}", file=sys.stderr)
+        print(f"error: validate_sim runs lru, lfu, pbkv_lae, pbkv and pbkv_time; not {unsupported}", file=sys.stderr)
         return 2
     from data.atomic import OutputError, check_command_output
 

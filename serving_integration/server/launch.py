@@ -176,8 +176,8 @@ def preflight(args: argparse.Namespace) -> list[str]:
     allowed = os.environ.get("SGLANG_PLUGINS")
     if allowed and "pbkv" not in {x.strip() for x in allowed.split(",")}:
         problems.append(f"SGLANG_PLUGINS={allowed!r} excludes the 'pbkv' plugin")
-    if args.policy == "pbkv" and not args.checkpoint:
-        problems.append("--policy pbkv needs --checkpoint (a train.py predictor.pt)")
+    if args.policy in ("pbkv", "pbkv_time") and not args.checkpoint:
+        problems.append(f"--policy {args.policy} needs --checkpoint (a train.py predictor.pt)")
     if args.checkpoint:
         try:
             from models import read_checkpoint

@@ -4,7 +4,7 @@
 
 What it registers:
   * on a machine without CUDA, compat.apply_cpu_hicache_fixes (HiCache's host pool on a CPU);
-  * the eviction policies `pbkv`, `pbkv_lae`, `kvflow`, `kvflow_ideal`, `kvflow_nolae`, `continuum`,
+  * the eviction policies `pbkv`, `pbkv_time`, `pbkv_lae`, `kvflow`, `kvflow_ideal`, `kvflow_nolae`, `continuum`,
     `lru_prefetch` (strategies.py, wrapping cache/policies.py and cache/baselines.py): into
     `mem_cache.utils._EVICTION_POLICY_FACTORIES` and the
     `--radix-eviction-policy` choices, with SGLang's own strategies its CLI leaves out (fifo, mru,
@@ -21,7 +21,8 @@ What it registers:
                                                (prefetch.py: PBKV's ranking, or kvflow's and
                                                lru_prefetch's own order)
       Scheduler.get_internal_state             the plugin's counters under "pbkv" in /server_info
-      Scheduler._add_request_to_queue          with `hidden_state`: a tagged request asks SGLang's
+      Scheduler._add_request_to_queue          pbkv_time: the waiting call's cached path; with
+                                               `hidden_state`: a tagged request asks SGLang's
                                                forward for its last prefill token's hidden state
                                                (Req.return_hidden_states = "last", as a client could)
   * AROUND SchedulerBatchResultProcessor._append_prefill_hidden_states: SGLang has copied that
@@ -177,11 +178,15 @@ _ASKED = "_pbkv_asked_hidden"  # set on a Req whose hidden-state flag the plugin
 
 @_never_raises
 def after_request_queued(result, scheduler, req, *args, **kwargs):
-    """A request entered the waiting queue (also again after a retraction): a tagged agent call asks
+    """A request entered the waiting queue (also again after a retraction): pbkv_time hears of it
+    (WorkflowRuntime.on_queued); with `hidden_state`, a tagged agent call asks
     for its last prefill token's hidden state, through the flag a client's `return_hidden_states:
     "last"` sets. A request whose client asked itself keeps its own flag (and its response)."""
     runtime = _runtime(scheduler)
-    if runtime is None or req.return_hidden_states or not runtime.wants_hidden(req):
+    if runtime is None:
+        return
+    runtime.on_queued(req, scheduler.tree_cache.tree_core)
+    if req.return_hidden_states or not runtime.wants_hidden(req):
         return
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 

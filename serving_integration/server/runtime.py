@@ -40,6 +40,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from data.atomic import atomic_file
@@ -49,12 +50,12 @@ from serving_integration.cache.config import POLICY_PREFETCH_MODES, TRUST_MODES,
     OnlineBackoffConfig, PbkvConfig
 from serving_integration.cache.policies import PLUGIN_POLICIES, STEP_GRAPH_POLICIES, LifecycleLRU, Prefetch, \
     WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource, tell_finished
+from serving_integration.cache.predictions import PredictionSource, predict_times, tell_finished
 from serving_integration.cache.workflow_tags import BadTag, WorkflowTag, tag_of_request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
+DEFAULT_PREFETCH = {"pbkv": "conservative", "pbkv_time": "none", "pbkv_lae": "none", "kvflow_ideal": "aggressive",
                     "kvflow_nolae": "aggressive", "continuum": "none", "kvflow": "kvflow", "lru_prefetch": "last_call"}
 MAX_REMEMBERED_REQUESTS = 65536  # tags of requests in flight; older entries are dropped first
 RECENT_TAGS = 256  # the last tags the runtime acted on, reported by snapshot() (what reached the policy)
@@ -243,6 +244,25 @@ class GuardedPredictor:
         self.stats.count("predicted_workflows", len(workflows))
         return probs
 
+    def predict_times(self, workflows: list):
+        """[B, K] median seconds until each next call (pbkv_time), or None: the source gives none, or
+        they failed (counted, and the round orders without times). Untimed: a time head is one more
+        head on the same network, and a call that raises is caught."""
+        try:
+            seconds = predict_times(self.source, workflows)
+            if seconds is None:
+                return None
+            seconds = np.asarray(seconds, dtype=np.float64)
+            if seconds.shape != (len(workflows), self.source.horizon) or not np.isfinite(seconds).all():
+                raise ValueError(f"expected finite [{len(workflows)}, {self.source.horizon}] seconds, got "
+                                 f"{seconds.shape}")
+            return seconds
+        except Exception as e:  # noqa: BLE001  (nothing the predictor raises may reach the scheduler)
+            self.stats.count("predictor_times_failed")
+            if self.stats["predictor_times_failed"] in (1, 10, 100) or self.stats["predictor_times_failed"] % 1000 == 0:
+                log.warning("PBKV predictor times failed (%s: %s); this round orders without them", type(e).__name__, e)
+            return None
+
     def _call(self, workflows):
         if self._worker is None:
             return self.source.predict(workflows)
@@ -302,7 +322,7 @@ def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStat
         stats.count("predictor_unavailable")
         log.error("PBKV: no predictions for %s (%s: %s); it runs as lifecycle-aware LRU", policy, type(e).__name__, e)
         return None
-    if policy in ("pbkv", *STEP_GRAPH_POLICIES):
+    if policy in ("pbkv", "pbkv_time", *STEP_GRAPH_POLICIES):
         stats.count("predictor_unavailable")
         log.error("PBKV: %s has no %s; it runs as lifecycle-aware LRU", policy,
                   "step_graph_traces" if policy in STEP_GRAPH_POLICIES else "checkpoint")
@@ -341,6 +361,7 @@ class WorkflowRuntime:
                               f"conservative, aggressive or its own ({DEFAULT_PREFETCH[policy_name]})")
         options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
                    config.trust_options(config.trust) if policy_name == "pbkv" else
+                   config.time_options() if policy_name == "pbkv_time" else
                    config.continuum_options() if policy_name == "continuum" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.pool_tokens: int | None = None  # the GPU pool's size, read at the first scheduler step
@@ -475,6 +496,24 @@ class WorkflowRuntime:
         for node_id in path_node_ids:
             if node_id in self.prefetched:  # prefetched, and read before it was evicted
                 self.stats.count("prefetch_used_tokens", self.prefetched.pop(node_id))
+
+    def on_queued(self, req, tree_core) -> None:
+        """A request entered the waiting queue (pbkv_time reads the queue): a tagged agent call's
+        cached path on the GPU, matched without touching the tree (SGLang's read-only
+        match_full_device_prefix), reaches the policy with the time it came."""
+        if not self.policy.reads_queue:
+            return
+        tag = self.tag_of(req)
+        if tag is None or tag.end_signal:
+            return
+        wf = self._live(tag)
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(req.origin_input_ids, getattr(req, "extra_key", None), is_bigram=tree_core.is_eagle,
+                       cache_salt=getattr(req, "cache_salt", None))  # as SGLang keys the request's prompt
+        _, last, _ = tree_core.match_full_device_prefix(key)
+        self.policy.on_queued(wf.id, tag.agent, tree_core.path_node_ids(last), self.clock())
+        self.stats.count("calls_queued")
 
     def on_finished(self, req) -> None:
         """A call finished: its workflow is predicted in the next round, or retired if it was the last."""
@@ -615,6 +654,9 @@ class WorkflowRuntime:
         graph_steps = getattr(self.predictor.source, "steps_to_execution", None)  # the KVFlows' step graph
         ids, steps = [w.id for w in batch], graph_steps(batch) if graph_steps else None
         self.ledger.set_predictions(ids, self.predictor.agent_names, probs, steps)
+        if self.policy.reads_times:  # pbkv_time: the probabilities of each step and the times until them
+            self.policy.on_predictions(ids, self.predictor.agent_names, probs, self.predictor.predict_times(batch),
+                                       self.clock())
         self.policy.on_steps(ids, steps)  # kvflow: a step update, and its prefetch round (SGLang re-heaps per pass)
         self.degraded = False
         if self.hidden_reader is not None:

@@ -44,6 +44,12 @@ class PBKVStrategy(WorkflowEvictionStrategy):
     policy_name = "pbkv"
 
 
+class PBKVTimeStrategy(WorkflowEvictionStrategy):
+    """PBKV's score with each read discounted by when it is expected; the waiting calls known."""
+
+    policy_name = "pbkv_time"
+
+
 class LifecycleLRUStrategy(WorkflowEvictionStrategy):
     """Retired cache first, then LRU (PBKV without predictions)."""
 
@@ -82,7 +88,7 @@ class LRUPrefetchStrategy(WorkflowEvictionStrategy):
 
 
 STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
-    cls.policy_name: cls for cls in (PBKVStrategy, LifecycleLRUStrategy, KVFlowForkStrategy, KVFlowStrategy,
+    cls.policy_name: cls for cls in (PBKVStrategy, PBKVTimeStrategy, LifecycleLRUStrategy, KVFlowForkStrategy, KVFlowStrategy,
                                      KVFlowNoLifecycleStrategy, ContinuumStrategy, LRUPrefetchStrategy)
 }
 

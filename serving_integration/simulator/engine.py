@@ -56,7 +56,7 @@ from serving_integration.simulator.cost_model import CostModel
 from serving_integration.cache.metrics import per_workflow_results, replay_metrics
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
-from serving_integration.cache.predictions import PredictionSource, tabulate, tell_finished
+from serving_integration.cache.predictions import PredictionSource, predict_times, tabulate, tell_finished
 from serving_integration.cache.trust import trust_summary
 from serving_integration.cache.workload import SimCall, SimWorkflow, chain, prefix_tokens_in
 from serving_integration.simulator.headroom import headroom_fields
@@ -285,6 +285,9 @@ class Server:
         else:
             self.waiting.append(request)
         self.calls += 1
+        if self.policy.reads_queue:  # pbkv_time: the queued call's cached path, read without touching it
+            path, _, _ = self.tree.peek_path(request.call.units)
+            self.tree.refresh_ids(self.policy.on_queued(wf.id, request.call.agent, [n.id for n in path], t))
 
     def step(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
         """Admit what fits, then run one prefill iteration, or a run of identical decode iterations
@@ -540,7 +543,8 @@ class Server:
         ids, names = [w.id for w in batch], predictions.agent_names
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         tabled = getattr(predictions, "predict_folded", None)
-        folded = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
+        unfolded = graph_steps is not None or self.policy.reads_times  # pbkv_time reads each step's P^(k)
+        folded = tabled(batch, self.ledger.gamma) if tabled is not None and not unfolded else None
         steps = None
         if folded is not None:  # computed before the replay, already folded for the ledger
             measured = time.perf_counter() - started
@@ -548,8 +552,11 @@ class Server:
         else:
             probs = predictions.predict(batch)
             steps = graph_steps(batch) if graph_steps else None
+            seconds = predict_times(predictions, batch) if self.policy.reads_times else None
             measured = time.perf_counter() - started
             changed = self.ledger.set_predictions(ids, names, probs, steps)
+            if self.policy.reads_times:
+                self.tree.refresh_ids(self.policy.on_predictions(ids, names, probs, seconds, self.now))
         if self.policy.on_steps(ids, steps):  # kvflow: a global step update
             self.tree.reprioritize()
         self.tree.refresh_ids(self.policy.changed_by(changed))

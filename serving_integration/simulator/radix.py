@@ -253,9 +253,16 @@ class RadixTree:
     def peek(self, units: Sequence) -> tuple[int, int]:
         """Units of the longest cached prefix held on GPU, and in all (GPU then host), without
         touching the tree (no access time, no split): what a router may ask of a replica."""
-        node, i, on_gpu = self.root, 0, 0
+        _, on_gpu, matched = self.peek_path(units)
+        return on_gpu, matched
+
+    def peek_path(self, units: Sequence) -> tuple[list[Node], int, int]:
+        """`peek`'s walk: the nodes of the longest cached prefix (the last one perhaps read only in
+        part), and its units on GPU and in all, without touching the tree."""
+        node, i, on_gpu, path = self.root, 0, 0, []
         while i < len(units) and units[i] in node.children:
             child = node.children[units[i]]
+            path.append(child)
             n = _common(child.units, units, i)
             i += n
             if child.on_gpu:
@@ -263,7 +270,7 @@ class RadixTree:
             if n < len(child.units):
                 break
             node = child
-        return on_gpu, i
+        return path, on_gpu, i
 
     def insert(self, units: Sequence, lens: Sequence[int], refresh: bool = True) -> tuple[int, list[Node]]:
         """Insert a key whose KV the caller holds on the GPU; returns (tokens the tree already

@@ -19,9 +19,10 @@ from tests.simulator.test_simulator import H100, small_workload
 CONFIG = SimConfig(gpu_tokens=60_000, concurrency=6)
 
 
-def replay(workflows, scheduling="fcfs", **policy):
+def replay(workflows, scheduling="fcfs", partial_eviction=False, **policy):
     sim = Simulator([SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows],
-                    SimConfig(gpu_tokens=CONFIG.gpu_tokens, concurrency=CONFIG.concurrency, scheduling=scheduling),
+                    SimConfig(gpu_tokens=CONFIG.gpu_tokens, concurrency=CONFIG.concurrency, scheduling=scheduling,
+                              partial_eviction=partial_eviction),
                     H100, record_decisions=True, **policy)
     sim.run()
     return sim
@@ -90,9 +91,13 @@ def policies(names, sequences, markov):
             "outcome_margin": 0.0, "outcome_window": 8}},
         "pbkv+accuracy": {"policy": "pbkv", "predictions": ModelSource(markov), "policy_options": {"trust": "accuracy"}},
         "pbkv+conservative": {"policy": "pbkv", "prefetch": "conservative", "predictions": ModelSource(markov)},
+        # the admission queue it reads is the past: calls already issued
+        "pbkv_time": {"policy": "pbkv_time", "predictions": ModelSource(markov)},
+        "pbkv_time+partial": {"policy": "pbkv_time", "predictions": ModelSource(markov), "partial_eviction": True},
     }
     clairvoyant = {"oracle": {"policy": "oracle", "predictions": PerfectSource(names, 3)},
-                   "pbkv_perfect": {"policy": "pbkv", "predictions": PerfectSource(names, 3)}}
+                   "pbkv_perfect": {"policy": "pbkv", "predictions": PerfectSource(names, 3)},
+                   "pbkv_time_perfect": {"policy": "pbkv_time", "predictions": PerfectSource(names, 3)}}
     return online, clairvoyant
 
 

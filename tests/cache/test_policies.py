@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from serving_integration.cache.policies import (KVFlow, LFU, LRU, PBKV, TLRU, LifecycleLRU, Oracle, Prefetch,
+from serving_integration.cache.policies import (KVFlow, LFU, LRU, PBKV, TLRU, LifecycleLRU, Oracle, PBKVTime, Prefetch,
                                           WorkflowLedger, make_policy)
 from serving_integration.simulator.radix import RadixTree
 
@@ -293,3 +293,77 @@ def test_ledger_scores_stay_equal_to_their_definition_under_random_operations():
             assert ledger.score(n) == reference_score(ledger, n)  # the same float, not just close
             seen += n in ledger.users and len(ledger.users[n]) > 1
     assert seen > 100  # shared nodes (summed over several users) were checked too
+
+
+def timed_setup(tau, *keys):
+    """A pbkv_time policy over a tree holding these keys, workflow w<i> the only reader of the i-th (agent coder)."""
+    ledger = WorkflowLedger(gamma=0.5)
+    policy = PBKVTime(ledger, time_tau_s=tau)
+    tree, leaves = tree_with(policy, *keys)
+    for i, leaf in enumerate(leaves):
+        ledger.start(f"w{i}")
+        ledger.record_access(leaf.id, f"w{i}", "coder")
+    return ledger, policy, tree, leaves
+
+
+def predict(policy, tree, workflows, probs, seconds, now):
+    tree.refresh_ids(policy.on_predictions(workflows, AGENTS, torch.stack(probs),
+                                           None if seconds is None else torch.tensor(seconds, dtype=torch.float64),
+                                           now))
+
+
+def test_pbkv_time_keeps_the_front_of_the_admission_queue():
+    """Three workflows sure to call coder next: w0 and w1 queued (w0 first), w2's call not issued yet.
+    Belady under FCFS: w2's context is read last (after both queued calls), then w1's; LRU would
+    evict w0's first, the oldest, though its call is admitted next."""
+    _, policy, tree, (a, b, c) = timed_setup(10.0, "aa", "bb", "cc")
+    predict(policy, tree, ["w0", "w1"], [one_hot("coder", "END", "END")] * 2, None, now=0.0)
+    predict(policy, tree, ["w2"], [one_hot("coder", "END", "END")], None, now=8.0)
+    tree.refresh_ids(policy.on_queued("w0", "coder", [a.id], 3.0))
+    tree.refresh_ids(policy.on_queued("w1", "coder", [b.id], 5.0))
+    assert eviction_order(tree) == ["cc", "bb", "aa"]
+
+
+def test_pbkv_time_trades_probability_against_time():
+    """w0: coder next with probability 0.2, at once; w1: with 0.9, in 30 s. tau = 10 s: 0.9 e^-3 =
+    0.045 < 0.2, w1's node goes first; tau = 1000 s: the probabilities decide, w0's goes first."""
+    soon, later = torch.zeros(3, 5), torch.zeros(3, 5)
+    soon[:, 4], later[:, 4] = 1.0, 1.0
+    soon[0], later[0] = torch.tensor([0.0, 0.2, 0.0, 0.0, 0.8]), torch.tensor([0.0, 0.9, 0.0, 0.0, 0.1])
+    for tau, order in ((10.0, ["bb", "aa"]), (1000.0, ["aa", "bb"])):
+        _, policy, tree, _ = timed_setup(tau, "aa", "bb")
+        predict(policy, tree, ["w0", "w1"], [soon, later], [[0.0, 0.0, 0.0], [30.0, 30.0, 30.0]], now=0.0)
+        assert eviction_order(tree) == order
+
+
+def test_pbkv_time_values_are_logarithms_that_neither_overflow_nor_underflow():
+    """A week into a replay with tau = 0.01 s the discounts are e^(-6e7): kept as logarithms, the
+    order is still the one of the times, and the shared node's value is the log-sum-exp of its two
+    readers' terms."""
+    ledger, policy, tree, (a, b) = timed_setup(0.01, "aa", "bb")
+    week = 7 * 86400.0
+    predict(policy, tree, ["w0", "w1"], [one_hot("coder", "END", "END")] * 2, [[1.0, 0, 0], [2.0, 0, 0]], now=week)
+    x0, x1 = policy.log_value(a.id), policy.log_value(b.id)
+    assert x0 == pytest.approx(-week / 0.01 - 100.0, abs=1e-6) and x1 == pytest.approx(x0 - 100.0, abs=1e-6)
+    ledger.record_access(a.id, "w1", "coder")  # w1 reads a too: log(e^x0 + e^x1)
+    assert policy.log_value(a.id) == pytest.approx(x0 + math.log1p(math.exp(-100.0)), abs=1e-6)
+    assert eviction_order(tree) == ["bb", "aa"]
+
+
+def test_pbkv_time_queued_call_is_step_one_and_its_path_survives_a_split():
+    """While a call is queued its workflow's predicted step 1 is replaced by the call (the sum starts
+    at k = 2), and a split of a node on the queued path keeps the queued term on both halves; once
+    the call finishes, the term is gone."""
+    ledger, policy, tree, (a,) = timed_setup(10.0, "abcd")
+    predict(policy, tree, ["w0"], [one_hot("coder", "coder", "END")], None, now=0.0)
+    before = policy.log_value(a.id)
+    assert before == pytest.approx(math.log(1.0 + 0.5))  # steps 1 and 2, both coder
+    policy.on_queued("w0", "coder", [a.id], 20.0)
+    assert policy.log_value(a.id) == pytest.approx(math.log(math.exp(-2.0) + 0.5))  # the call at 20 s, step 2
+    tree.private_gpu += 4
+    tree.insert(list("abxy"), [1] * 4)  # splits "abcd" into "ab" + "cd"
+    tree.private_gpu -= 4
+    prefix = a.parent  # the split node keeps its id for the suffix
+    assert prefix.units == ("a", "b") and set(policy.queued_on) == {a.id, prefix.id}
+    policy.on_call_finished("w0", "coder", [], 4, True)
+    assert policy.queued_on == {} and policy.log_value(a.id) == pytest.approx(math.log(0.5))

@@ -27,8 +27,8 @@ CASES = [
     ("sim.predictor_cost_s", -0.1, "sim.predictor_cost_s=-0.1: Input should be greater than or equal to 0"),
     ("policies", [], "policies=[]: should not be empty"),
     ("policies", ["lru", "arc"], "policies[1]=arc: should be one of lru, lfu, tlru, kvflow_ideal, pbkv_lae, pbkv, "
-                                 "oracle, fifo, mru, filo, slru, priority, kvflow, kvflow_nolae, lru_prefetch, "
-                                 "continuum, pbkv_perfect"),
+                                 "pbkv_time, oracle, fifo, mru, filo, slru, priority, kvflow, kvflow_nolae, "
+                                 "lru_prefetch, continuum, pbkv_perfect, pbkv_time_perfect"),
     ("policies", ["lru", "lru"], "policies=[lru,lru]: should not repeat a name"),
     ("prefetch", [], "prefetch=[]: should not be empty"),
     ("seeds", [0, 0], "seeds=[0,0]: should not repeat a name"),
@@ -116,7 +116,7 @@ def test_a_wrong_type_or_unknown_key_fails_when_hydra_composes(override, key):
 @pytest.mark.parametrize("override, message", [
     ("+pbkv.horizn=3", "pbkv.horizn: not a setting of pbkv (known: gamma, horizon, outcome_margin, "
                        "outcome_min_calls, outcome_sample, outcome_seed, outcome_slack, outcome_window, outcome_z, "
-                       "trust, trust_margin, trust_threshold, trust_window)"),
+                       "time_tau_s, trust, trust_margin, trust_threshold, trust_window)"),
     ("+colour=red", "colour: not a setting of evaluate.py"),
 ])
 def test_a_key_added_with_plus_is_refused_by_the_checks(override, message):
@@ -128,7 +128,7 @@ def test_a_key_added_with_plus_is_refused_by_the_checks(override, message):
 def test_known_names_come_from_the_code(base):
     from serving_integration.cache.policies import POLICIES
 
-    assert set(evaluated_policies()) == {*POLICIES, "pbkv_perfect"}
+    assert set(evaluated_policies()) == {*POLICIES, "pbkv_perfect", "pbkv_time_perfect"}
     cfg = base.copy()
     OmegaConf.update(cfg, "policies", list(evaluated_policies()), merge=False)
     settings(cfg)

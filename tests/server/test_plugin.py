@@ -17,6 +17,7 @@ import types
 from array import array
 from importlib.metadata import entry_points
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import (ServerArgs, prepare_server_args,  # noqa: E402
                                     set_global_server_args_for_scheduler)
 
-from models import save_predictor  # noqa: E402
+from models import WorkflowPrefix, save_predictor  # noqa: E402
 from models.markov import MarkovPredictor  # noqa: E402
 from serving_integration.server import launch, plugin  # noqa: E402
 from serving_integration.cache.predictions import ModelSource  # noqa: E402
@@ -169,7 +170,8 @@ def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     from sglang.srt.mem_cache.evict_policy import FIFOStrategy
 
     from serving_integration.server.strategies import (KVFlowForkStrategy, KVFlowNoLifecycleStrategy, KVFlowStrategy,
-                                                       LifecycleLRUStrategy, LRUPrefetchStrategy, PBKVStrategy)
+                                                       LifecycleLRUStrategy, LRUPrefetchStrategy, PBKVStrategy,
+                                                       PBKVTimeStrategy)
 
     assert _EVICTION_POLICY_FACTORIES["pbkv"] is PBKVStrategy
     assert _EVICTION_POLICY_FACTORIES["pbkv_lae"] is LifecycleLRUStrategy
@@ -177,8 +179,9 @@ def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     assert _EVICTION_POLICY_FACTORIES["kvflow_nolae"] is KVFlowNoLifecycleStrategy
     assert _EVICTION_POLICY_FACTORIES["kvflow"] is KVFlowForkStrategy
     assert _EVICTION_POLICY_FACTORIES["lru_prefetch"] is LRUPrefetchStrategy
-    assert set(plugin.PLUGIN_POLICIES) == {"pbkv", "pbkv_lae", "kvflow", "kvflow_ideal", "kvflow_nolae", "continuum",
-                                           "lru_prefetch"}  # every policy the registry marks as the plugin's
+    assert _EVICTION_POLICY_FACTORIES["pbkv_time"] is PBKVTimeStrategy
+    assert set(plugin.PLUGIN_POLICIES) == {"pbkv", "pbkv_time", "pbkv_lae", "kvflow", "kvflow_ideal", "kvflow_nolae",
+                                           "continuum", "lru_prefetch"}  # every policy the registry marks as the plugin's
     assert _EVICTION_POLICY_FACTORIES["fifo"] is FIFOStrategy  # SGLang's own stays
     assert {"pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "fifo", "mru", "filo"} <= set(
         RADIX_EVICTION_POLICY_CHOICES)
@@ -241,6 +244,36 @@ def test_unified_radix_cache_evicts_in_pbkv_order(checkpoint):
     baseline = Serving("lru")
     three_workflows(baseline)
     assert baseline.eviction_order() == ["A", "B", "C"]  # the same calls under SGLang's LRU
+
+
+def test_pbkv_time_in_the_plugin_keeps_the_front_of_sglangs_waiting_queue(checkpoint):
+    """A, B, C each predicted to call agent a next; then A's next call enters SGLang's waiting queue,
+    then B's. pbkv_time keeps the queue's front: C (not queued) goes first, then B, then A, where
+    pbkv, which scores the three alike, evicts by LRU: A, B, C. The queued call's path is read from
+    the tree without touching it, and its tokens reach the policy with the time it came."""
+    def queue(serving, workflow, first):
+        req = Req(rid=f"q{workflow}", origin_input_text="", origin_input_ids=array("q", prompt(first) + [1, 2, 9]),
+                  sampling_params=SamplingParams(max_new_tokens=1, custom_params={"pbkv": tag(workflow, "a", 1)}))
+        plugin.after_request_queued(None, types.SimpleNamespace(tree_cache=serving.cache), req)
+
+    orders = {}
+    for policy in ("pbkv_time", "pbkv"):
+        serving = Serving(policy, {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+        clock = iter(range(100))
+        serving.runtime.clock = lambda: float(next(clock))
+        for workflow, first in (("A", 100), ("B", 200), ("C", 300)):
+            serving.serve(prompt(first), [1, 2], tag(workflow, "a"), label=workflow)
+            serving.step()
+        last_access = {n.id: n.last_access_time for n in serving.cache.tree_core._node_arena.values()}
+        queue(serving, "A", 100)
+        queue(serving, "B", 200)
+        assert {n.id: n.last_access_time for n in serving.cache.tree_core._node_arena.values()} == last_access
+        if policy == "pbkv_time":
+            assert set(serving.runtime.policy.queued_path) == {"A", "B"}
+            assert set(serving.runtime.policy.queued_path["A"]) == serving.paths["A"]
+            assert serving.runtime.stats["calls_queued"] == 2
+        orders[policy] = serving.eviction_order()
+    assert orders == {"pbkv_time": ["C", "B", "A"], "pbkv": ["A", "B", "C"]}
 
 
 def test_accuracy_trust_in_the_plugin_falls_back_when_predictions_miss(checkpoint):
@@ -399,6 +432,33 @@ def test_failing_predictor_falls_back_to_lifecycle_lru_and_is_counted(checkpoint
     serving.serve(prompt(500), [1], tag("F", "a"))
     serving.step()
     assert not runtime.degraded  # a good round restores PBKV's order
+
+
+def test_pbkv_times_in_the_plugin_come_from_the_checkpoint_and_failing_ones_are_counted():
+    """pbkv_time's times: the predictor's median time until each next call, [B, K] seconds; a source
+    whose times raise or are not finite gives None (that round orders without times) and is counted."""
+    from models.timing import TimeSpec, agent_table
+    from serving_integration.server.runtime import LiveWorkflow, PluginStats
+
+    sequences, gaps = [[1, 1, 2]] * 8, [[0.0, 3.0, 30.0]] * 8
+    spec = TimeSpec([0.1, 0.5, 0.9], 0.1, "tool_time", agent_table(sequences, gaps, len(AGENTS) + 1, 2,
+                                                                     [0.1, 0.5, 0.9], 5), min_samples=5, paths=2000)
+    timed = MarkovPredictor.from_sequences(AGENTS, 2, sequences, time=spec, gaps=gaps, order=1)
+    stats = PluginStats()
+    guarded = GuardedPredictor(ModelSource(timed), stats, None)
+    live = [LiveWorkflow("w", agents=["a"]), LiveWorkflow("v", agents=["a", "a"])]
+    seconds = guarded.predict_times(live)
+    _, quantiles = timed.predict_when([WorkflowPrefix(w.agents) for w in live])
+    assert seconds.shape == (2, 2) and seconds.tolist() == quantiles[..., 1].double().tolist()  # the median level
+    assert (seconds > 0).all()
+    def raising(workflows):
+        raise RuntimeError("time head exploded")
+
+    for fault in (raising, lambda workflows: np.full((len(workflows), 2), np.nan)):
+        broken = ModelSource(timed)
+        broken.times_uncached = fault
+        assert GuardedPredictor(broken, stats, None).predict_times([LiveWorkflow("w", agents=["a"])]) is None
+    assert stats["predictor_times_failed"] == 2
 
 
 def test_unreadable_checkpoint_runs_as_lifecycle_lru(tmp_path):

@@ -159,3 +159,20 @@ def test_kvflow_and_lru_prefetch_are_served_with_their_own_prefetch(baseline_run
     assert kvflow["has_predictor"] and not kvflow["degraded"]  # the step graph drove its updates
     assert kvflow["counters"].get("predictor_calls", 0) >= 1
     assert not baseline_runs["lru_prefetch"]["plugin"]["has_predictor"]  # plain prefetch: no predictor
+
+
+def test_pbkv_time_is_served_and_hears_of_every_queued_call(dataset, checkpoint, tmp_path):
+    """pbkv_time in a real server: the plugin hears of each call as it enters SGLang's waiting queue
+    (its cached path read without touching the tree), predicts after each finished call, and no hook
+    fails."""
+    rows = dataset.rows("test")
+    run = validate_sim.real_run(bench.replay_workflows(rows), "pbkv_time", gpu_tokens=GPU_TOKENS,
+                                concurrency=CONCURRENCY, tool_time_scale=TOOL_TIME_SCALE, checkpoint=checkpoint,
+                                log_dir=tmp_path)
+    row, plugin, results = run["row"], run["plugin"], run["results"]
+    assert len(results) == len(rows) and row["failed_calls"] == 0, {r.error for r in results if not r.ok}
+    assert plugin["policy"] == "pbkv_time" and plugin["has_predictor"] and not plugin["degraded"]
+    counters = plugin["counters"]
+    assert counters.get("hook_errors", 0) == 0 and counters.get("calls_finished", 0) == len(rows), counters
+    assert counters.get("calls_queued", 0) >= len(rows) and counters.get("predictor_calls", 0) >= 1, counters
+    assert counters.get("predictor_times_failed", 0) == 0 and row["gpu_hit_tokens"] > 0

@@ -82,7 +82,7 @@ def small_workload(kind, n, seed):
 @given(kind=st.sampled_from(["hover", "swebench"]), seed=st.integers(0, 1000),
        gpu=st.integers(70_000, 200_000), concurrency=st.integers(1, 12),
        policy=st.sampled_from(["lru", "lfu", "tlru", "pbkv_lae", "pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae",
-                               "continuum", "lru_prefetch", "fifo", "slru", "oracle"]),
+                               "continuum", "lru_prefetch", "fifo", "slru", "oracle", "pbkv_time"]),
        prefetch=st.sampled_from(["none", "conservative", "aggressive", "kvflow", "last_call"]),
        page=st.sampled_from([1, 16]), scheduling=st.sampled_from(["fcfs", "program_fcfs", "lpm", "hrrn", "spf"]),
        end=st.sampled_from([(0.0, 0.0, None), (2.0, 0.0, None), (1.0, 0.5, 30.0), (0.0, 1.0, 3.0)]),  # None: never
@@ -95,7 +95,7 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
         source = AgentStepGraph((Hover if kind == "hover" else SweBench)().agent_graph(), 3, names)
     else:
         source = PerfectSource(names, 3)
-    uses = policy in ("pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae", "oracle") or prefetch != "none"
+    uses = policy in ("pbkv", "kvflow", "kvflow_ideal", "kvflow_nolae", "oracle", "pbkv_time") or prefetch != "none"
     delay, loss, timeout = end
     config = SimConfig(gpu_tokens=gpu, concurrency=concurrency, page_size=page, end_signal_delay_s=delay,
                        end_signal_loss=loss, inactivity_timeout_s=timeout, seed=seed, scheduling=scheduling,
@@ -467,6 +467,31 @@ def test_tabled_predictions_replay_exactly_as_per_step_predictions():
     assert source.table is not None and source.table.covers(workflows)
     per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(MarkovPerStep(markov)))
     assert tabled == per_step
+
+
+def test_pbkv_time_reads_tabled_times_as_per_step_ones():
+    """pbkv_time's times come from the table (computed for every prefix before the replay) exactly
+    as a per-step source gives them: the perfect source's are the summed tool times of the next K
+    calls. A source without times (this Markov fit) leaves the order to the queue and the scores."""
+    from models.markov import MarkovPredictor
+    from serving_integration.cache.predictions import ModelSource, predict_times
+
+    workflows = small_workload("hover", 40, 2)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    w = SimWorkflow(workflows[0].id, 0, workflows[0].task, workflows[0].calls)
+    w.next_call = 1
+    gaps = [c.tool_time for c in w.calls[1:4]]
+    assert predict_times(PerfectSource(names, 3), [w])[0].tolist() == pytest.approx(
+        [sum(gaps[:k]) for k in (1, 2, 3)])
+    config = SimConfig(gpu_tokens=120_000, concurrency=8)
+    tabled_source = PerfectSource(names, 3)
+    tabled = simulate(workflows, config, H100, policy="pbkv_time", predictions=tabled_source)
+    assert tabled_source.table.seconds is not None  # read from the table
+    assert tabled == simulate(workflows, config, H100, policy="pbkv_time", predictions=_PerStep(names, 3))
+    index = {a: i for i, a in enumerate(names)}
+    markov = MarkovPredictor.from_sequences(names, 3, [[index[c.agent] for c in w.calls] for w in workflows], order=1)
+    assert predict_times(ModelSource(markov), [w]) is None
+    assert simulate(workflows, config, H100, policy="pbkv_time", predictions=ModelSource(markov))["hit_rate"] > 0
 
 
 def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
