@@ -130,24 +130,29 @@ class PrefixTable:
         """`times`: the source's [B, K] times for a batch of prefixes (None: it gives none); they
         are tabled on the first `lookup_times`, in the same batches."""
         self.rows: dict[str, tuple[list, int]] = {}  # workflow id -> (its calls, row of its first prefix)
-        self._batches: list[list] = []
-        pending, total = [], 0
+        total = 0
         for w in workflows:
             self.rows[w.id] = (w.calls, total)
-            for n in range(1, len(w.calls) + 1):
-                pending.append(_Prefix(w, n))
             total += len(w.calls)
-            if len(pending) >= batch_size:
-                self._batches.append(pending)
-                pending = []
-        if pending:
-            self._batches.append(pending)
-        chunks = [predict(batch).numpy() for batch in self._batches]
+        self._workflows, self._batch_size = list(workflows), batch_size
+        chunks = [predict(batch).numpy() for batch in self._prefix_batches()]
         self.probs = np.concatenate(chunks) if chunks else None
         self._times, self.seconds = times, None
         if times is None:
-            self._batches = []
+            self._workflows = []
         self._folded: dict[float, tuple[np.ndarray, int]] = {}  # gamma -> (packed Folded rows, agents)
+
+    def _prefix_batches(self):
+        """Every prefix of every workflow, in table order, a batch of about `batch_size` at a time
+        (made as they are read: only one batch is held)."""
+        pending = []
+        for w in self._workflows:
+            pending += [_Prefix(w, n) for n in range(1, len(w.calls) + 1)]
+            if len(pending) >= self._batch_size:
+                yield pending
+                pending = []
+        if pending:
+            yield pending
 
     def covers(self, workflows: Sequence) -> bool:
         return all(self.rows.get(w.id, (None,))[0] is w.calls for w in workflows)
@@ -173,8 +178,8 @@ class PrefixTable:
         if index is None or self._times is None:
             return None
         if self.seconds is None:
-            chunks = [self._times(batch) for batch in self._batches]
-            self._batches = []
+            chunks = [self._times(batch) for batch in self._prefix_batches()]
+            self._workflows = []
             if any(c is None for c in chunks):  # a source without times (a checkpoint saved before them)
                 self._times = None
                 return None
