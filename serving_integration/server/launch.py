@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--tiny-model-dir", default=None,
                    help="--cpu: where the tiny model is built/cached (default .cache/pbkv/models/tiny-llama)")
     p.add_argument("--policy", default="pbkv", choices=PLUGIN_POLICIES + SGLANG_POLICIES)
-    p.add_argument("--checkpoint", help="train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
+    p.add_argument("--checkpoint", help="train.py predictor.pt (pbkv, pbkv_time; optional for pbkv_lae prefetch)")
     p.add_argument("--step-graph-traces",
                    help="kvflow, kvflow_ideal, kvflow_nolae: trace dataset dir whose train split gives the step graph")
     p.add_argument("--prefetch", choices=Prefetch.MODES,

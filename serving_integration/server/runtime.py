@@ -70,7 +70,7 @@ class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfi
     below. An unknown key fails at server start (TypeError naming it), as SGLang's own policies do;
     a value out of range fails there too (one line naming it)."""
 
-    checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv; optional for pbkv_lae prefetch)")
+    checkpoint: Optional[str] = knob(None, "train.py predictor.pt (pbkv, pbkv_time; optional for pbkv_lae prefetch)")
     step_graph_traces: Optional[str] = knob(None, "kvflow, kvflow_ideal, kvflow_nolae: dataset dir whose train "
                                            "split gives the step graph")
     prefetch: Optional[str] = knob(None, "none | conservative | aggressive, or a baseline's own: kvflow (kvflow's), "
