@@ -219,7 +219,8 @@ def tabulate(source, workflows: Sequence) -> None:
     running per step, on the tabled predictions of what they wrap."""
     while source is not None:
         if getattr(source, "batch_invariant", False) and not (source.table and source.table.covers(workflows)):
-            source.table = PrefixTable(source.predict_uncached, workflows, times=getattr(source, "times_uncached", None))
+            source.table = PrefixTable(source.predict_uncached, workflows,
+                                       times=getattr(source, "times_uncached", None))
         source = getattr(source, "inner", None)
 
 

@@ -635,8 +635,8 @@ MAX_SERIES = 8  # lines per plot; the other policies are in the tables below it
 def plot_rank(r: dict) -> int:
     """Which policies a plot draws first: the baselines, then PBKV and the references."""
     order = [("lru", "none"), ("kvflow", "kvflow"), ("kvflow_ideal", "aggressive"), ("pbkv_lae", "none"),
-             ("pbkv", "none"), ("pbkv_time", "none"), ("continuum", "none"), ("lru_prefetch", "last_call"), ("pbkv_perfect", "none"),
-             ("oracle", "none"), ("pbkv", "conservative")]
+             ("pbkv", "none"), ("pbkv_time", "none"), ("continuum", "none"), ("lru_prefetch", "last_call"),
+             ("pbkv_perfect", "none"), ("oracle", "none"), ("pbkv", "conservative")]
     key = (r["policy"], r["prefetch"])
     rank = order.index(key) if key in order else len(order)
     always = r["policy"] == "pbkv" and r.get("trust") in ("always", "accuracy")  # the alternatives, after outcome

@@ -36,8 +36,9 @@ def time_aware_settings(rows) -> dict[tuple, dict[str, dict]]:
 
 def gap_closed(row: dict, lru: dict) -> float | None:
     """The median over seeds of the share of LRU's recomputed-token gap to the floor that the row closes."""
-    shares = [(l - x) / (l - floor) for x, l, floor in zip(per_seed(row, "recompute_rate"), per_seed(lru, "recompute_rate"),
-                                                          per_seed(lru, "setting_bound_recompute_rate")) if l > floor]
+    seeds = zip(per_seed(row, "recompute_rate"), per_seed(lru, "recompute_rate"),
+                per_seed(lru, "setting_bound_recompute_rate"))
+    shares = [(base - x) / (base - floor) for x, base, floor in seeds if base > floor]
     return statistics.median(shares) if shares else None
 
 
@@ -89,8 +90,8 @@ def gap_figure(settings: dict[tuple, dict[str, dict]], out: Path) -> str:
             values = []
             for key in keys:
                 by = settings[key]
-                row = next((r for r in by.values() if r["policy"] == policy and r.get("trust") in ("outcome", "always")),
-                           None)
+                row = next((r for r in by.values()
+                            if r["policy"] == policy and r.get("trust") in ("outcome", "always")), None)
                 closed = gap_closed(row, by["lru"]) if row is not None else None
                 values.append(float("nan") if closed is None else 100 * closed)
             ax.bar([k + (i - (len(PLOTTED) - 1) / 2) * width for k in range(len(keys))], values, width, label=policy)
@@ -101,8 +102,8 @@ def gap_figure(settings: dict[tuple, dict[str, dict]], out: Path) -> str:
         ax.set_title(("partial" if partial else "whole-node (SGLang's)") + " eviction, no host tier", fontsize=9)
         ax.set_ylabel("gap closed on recomputed\ntokens (%, median of seeds)", fontsize=8)
     axes[0][0].legend(fontsize=7)
-    return section_figure(fig, out, "time_aware_gap.png",
-                          "share of LRU's gap to the bound on recomputed tokens that pbkv and pbkv_time close, test split")
+    alt = "share of LRU's gap to the bound on recomputed tokens that pbkv and pbkv_time close, test split"
+    return section_figure(fig, out, "time_aware_gap.png", alt)
 
 
 def time_aware_section(rows, out: Path) -> str:

@@ -88,8 +88,8 @@ class LRUPrefetchStrategy(WorkflowEvictionStrategy):
 
 
 STRATEGIES: dict[str, type[WorkflowEvictionStrategy]] = {
-    cls.policy_name: cls for cls in (PBKVStrategy, PBKVTimeStrategy, LifecycleLRUStrategy, KVFlowForkStrategy, KVFlowStrategy,
-                                     KVFlowNoLifecycleStrategy, ContinuumStrategy, LRUPrefetchStrategy)
+    cls.policy_name: cls for cls in (PBKVStrategy, PBKVTimeStrategy, LifecycleLRUStrategy, KVFlowForkStrategy,
+                                     KVFlowStrategy, KVFlowNoLifecycleStrategy, ContinuumStrategy, LRUPrefetchStrategy)
 }
 
 

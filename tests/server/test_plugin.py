@@ -180,8 +180,9 @@ def test_entry_point_is_listed_and_loading_it_registers_pbkv():
     assert _EVICTION_POLICY_FACTORIES["kvflow"] is KVFlowForkStrategy
     assert _EVICTION_POLICY_FACTORIES["lru_prefetch"] is LRUPrefetchStrategy
     assert _EVICTION_POLICY_FACTORIES["pbkv_time"] is PBKVTimeStrategy
+    # every policy the registry marks as the plugin's
     assert set(plugin.PLUGIN_POLICIES) == {"pbkv", "pbkv_time", "pbkv_lae", "kvflow", "kvflow_ideal", "kvflow_nolae",
-                                           "continuum", "lru_prefetch"}  # every policy the registry marks as the plugin's
+                                           "continuum", "lru_prefetch"}
     assert _EVICTION_POLICY_FACTORIES["fifo"] is FIFOStrategy  # SGLang's own stays
     assert {"pbkv", "pbkv_lae", "kvflow_ideal", "kvflow_nolae", "fifo", "mru", "filo"} <= set(
         RADIX_EVICTION_POLICY_CHOICES)
