@@ -57,7 +57,7 @@ import torch
 from data.knobs import build
 from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
     PbkvConfig, TlruConfig, TrustConfig
-from serving_integration.cache.predictions import Folded, fold
+from serving_integration.cache.predictions import Folded, fold, step_weights
 from serving_integration.cache.trust import TrustMeter, make_trust  # noqa: F401  (TrustMeter: re-exported)
 
 INF = math.inf
@@ -645,16 +645,12 @@ class PBKVTime(_LedgerPolicy):
         return -t / self.tau
 
     def on_predictions(self, workflows, agent_names, probs, seconds, now):
-        probs = probs.numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
-        probs = probs.astype(np.float64, copy=False)
-        _, horizon, _ = probs.shape
-        alive = np.cumprod(np.concatenate([np.ones_like(probs[:, :1, -1]), 1.0 - probs[:, :-1, -1]], axis=1), axis=1)
-        weight = alive * self.gamma ** np.arange(horizon)[None, :]  # gamma^(k-1) s^(k)
+        weight, probs = step_weights(probs, self.gamma)  # gamma^(k-1) s^(k), as PBKV's fold weighs each step
         if seconds is not None:
             weight = weight * np.exp(-np.clip(np.asarray(seconds, dtype=np.float64), 0.0, None) / self.tau)
         agents = probs[:, :, :-1] * weight[:, :, None]
-        later = agents[:, 1:].sum(axis=1).tolist()
-        total = (agents[:, 0] + agents[:, 1:].sum(axis=1)).tolist()
+        after_first = agents[:, 1:].sum(axis=1)
+        later, total = after_first.tolist(), (agents[:, 0] + after_first).tolist()
         offset, changed = self._log_discount(now), []
         for i, w in enumerate(workflows):
             if not self.ledger.is_live(w):

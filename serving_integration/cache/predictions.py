@@ -95,9 +95,9 @@ class Folded(NamedTuple):
 _DISCOUNTS: dict[tuple[float, int], np.ndarray] = {}
 
 
-def fold(probs, gamma: float) -> Folded:
-    """probs: [B, K, A+1] (a tensor or an array; END last) -> Folded, in float64. Row by row the same
-    floats whatever else shares the batch (elementwise work and a sum over the K axis in order)."""
+def step_weights(probs, gamma: float) -> tuple[np.ndarray, np.ndarray]:
+    """probs: [B, K, A+1] (a tensor or an array; END last) -> (gamma^(k-1) s^(k), [B, K]: the weight of
+    each step's P^(k) in Folded.value; probs in float64)."""
     if isinstance(probs, torch.Tensor):
         probs = probs.detach().cpu().numpy()
     probs = np.asarray(probs, dtype=np.float64)
@@ -108,8 +108,15 @@ def fold(probs, gamma: float) -> Folded:
     key = (gamma, probs.shape[1])
     if key not in _DISCOUNTS:
         _DISCOUNTS[key] = gamma ** np.arange(probs.shape[1])
-    agents = probs[..., :-1]
-    value = (_DISCOUNTS[key][None, :, None] * alive[..., None] * agents).sum(axis=1)
+    return _DISCOUNTS[key][None, :] * alive, probs
+
+
+def fold(probs, gamma: float) -> Folded:
+    """probs: [B, K, A+1] (a tensor or an array; END last) -> Folded, in float64. Row by row the same
+    floats whatever else shares the batch (elementwise work and a sum over the K axis in order)."""
+    weights, probs = step_weights(probs, gamma)
+    agents, end_hazard = probs[..., :-1], probs[..., -1]
+    value = (weights[..., None] * agents).sum(axis=1)
     return Folded(value, agents[:, 0], agents.argmax(axis=-1), agents.max(axis=-1) > end_hazard)
 
 

@@ -28,7 +28,7 @@ from data.errors import ConfigError, run_reported
 from data.knobs import build as build_knobs, check, knob, register, shown as shown_knob
 from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
-from serving_integration.experiments.rows import ROW_LABELS, SETTING
+from serving_integration.experiments.rows import ROW_LABELS, SETTING, setting_of
 from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, sort_key, split_of,
                                                      tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
@@ -83,10 +83,6 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
                 seen.add(key)
                 rows.append({**row, "source": str(f)})
     return rows, files
-
-
-def setting_of(r: dict) -> tuple:
-    return tuple(r.get(k) for k in SETTING)
 
 
 # -------------------------------------------------------------------- tables

@@ -30,6 +30,11 @@ SETTING = ("workload", "split", "workflows", "calls", "cost_model", "gpu_tokens"
            "end_signal_loss", "replicas", "routing", "hicache_ratio", "scheduling", "partial_eviction")
 
 
+def setting_of(r: dict) -> tuple:
+    """The row's setting: SETTING's values."""
+    return tuple(r.get(k) for k in SETTING)
+
+
 def setting_but(r: dict, compared: str) -> dict:
     """The row's setting (SETTING's keys and values) less the one key a section compares across."""
     return {k: r.get(k) for k in SETTING if k != compared}

@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from serving_integration.experiments.presentation import row_label
-from serving_integration.experiments.rows import setting_but
+from serving_integration.experiments.rows import setting_of
 from serving_integration.experiments.statistics import over_seeds, paired_ratios, per_seed, shown
 from serving_integration.experiments.tables import md_table, sort_key, split_of
 
@@ -30,7 +30,7 @@ def time_aware_settings(rows) -> dict[tuple, dict[str, dict]]:
     for r in rows:
         if r.get("comparison", "policies") == "policies" and r["prefetch"] in ("none", "kvflow", "last_call") \
                 and split_of(r) == "test":
-            found[tuple(setting_but(r, "").values())][row_label(r)] = r
+            found[setting_of(r)][row_label(r)] = r
     return {key: by for key, by in found.items() if any(r["policy"] == POLICY for r in by.values())}
 
 
