@@ -89,9 +89,9 @@ class PbkvConfig(TrustConfig):
         """pbkv.trust as a tuple: evaluate.py runs a pbkv row under each mode."""
         return (self.trust,) if isinstance(self.trust, str) else tuple(self.trust)
 
-    def time_options(self) -> dict:
-        """The policies.PBKVTime keyword arguments."""
-        return {"time_tau_s": self.time_tau_s, "gamma": self.gamma}
+    def time_options(self, mode: str) -> dict:
+        """The policies.PBKVTime keyword arguments under one trust mode."""
+        return {"time_tau_s": self.time_tau_s, "gamma": self.gamma, **self.trust_options(mode)}
 
     def trust_options(self, mode: str) -> dict:
         """The policies.PBKV keyword arguments under one trust mode."""

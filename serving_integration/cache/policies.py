@@ -58,7 +58,7 @@ from data.knobs import build
 from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
     PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import Folded, fold, step_weights
-from serving_integration.cache.trust import TrustMeter, make_trust  # noqa: F401  (TrustMeter: re-exported)
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, TrustMeter, log_sum_exp, make_trust  # noqa: F401
 
 INF = math.inf
 
@@ -462,9 +462,10 @@ class EvictionPolicy:
         """A call finished (a tool call follows when more_calls); the nodes whose priority changed."""
         return []
 
-    def on_queued(self, workflow: str, agent: str, node_ids: Sequence[int], t: float) -> list[int]:
+    def on_queued(self, workflow: str, agent: str, node_ids: Sequence[int], t: float, keys: Sequence = ()) -> list[int]:
         """A call of `agent` entered the admission queue at time t; `node_ids`: the cached path of its
-        prompt, read without touching the tree. The nodes whose priority changed."""
+        prompt, read without touching the tree; `keys`: its prompt's content keys (as observe_call's).
+        The nodes whose priority changed."""
         return []
 
     def on_predictions(self, workflows: Sequence[str], agent_names: Sequence[str], probs, seconds,
@@ -537,34 +538,31 @@ class LifecycleLRU(_LedgerPolicy):
         return (0 if self.ledger.is_retired(node.id) else 1, node.last_access_time)
 
 
-class PBKV(_LedgerPolicy):
-    name = "pbkv"
-    uses_predictions = True
-    TRUST = TRUST_MODES
+class _JudgedPolicy(_LedgerPolicy):
+    """A prediction-driven order that a trust judge (cache/trust.py) may set aside for lifecycle-aware
+    LRU: while it is not trusted, `priority` gives every live node the same value, so LRU decides."""
 
-    def __init__(self, ledger: WorkflowLedger, **trust):
-        """`trust`: TrustConfig's fields (cache/config.py, their defaults and ranges), one mode;
-        the mode's judge (cache/trust.py) decides when the score order is followed."""
+    TRUST = TRUST_MODES
+    outcome_judge: ClassVar[type[OutcomeTrust]] = OutcomeTrust
+
+    def __init__(self, ledger: WorkflowLedger, trust: dict):
+        """`trust`: TrustConfig's fields (cache/config.py, their defaults and ranges), one mode."""
         super().__init__(ledger)
         options = build(trust, TrustConfig, "pbkv")
         if options.trust not in self.TRUST:
             raise ValueError(f"pbkv.trust must be one of {', '.join(self.TRUST)}; got '{options.trust}'")
         self.trust = options.trust
-        self.judge = make_trust(options, ledger, self._values)
+        self.judge = make_trust(options, ledger, self._values, self.outcome_judge)
         if hasattr(self.judge, "revise"):
             ledger.listeners.append(self.judge.revise)
 
-    def _values(self, workflow: str) -> dict | None:
-        """v_w (agent -> value), the workflow's folded predictions that Score sums, or None once it
-        is retired (the outcome shadows' order)."""
-        return self.ledger.reuse_value.get(workflow, {}) if self.ledger.is_live(workflow) else None
+    def _values(self, workflow: str):
+        """A workflow's reader table as the outcome judge's shadows read it, None once it is retired."""
+        raise NotImplementedError
 
     @property
     def trusted(self) -> bool:
         return self.judge is None or self.judge.trusted
-
-    def changed_by(self, changed):
-        return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
 
     def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None):
         return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes, cached)
@@ -580,6 +578,23 @@ class PBKV(_LedgerPolicy):
     def trust_report(self) -> dict | None:
         return self.judge.report() if self.judge is not None else None
 
+
+class PBKV(_JudgedPolicy):
+    name = "pbkv"
+    uses_predictions = True
+
+    def __init__(self, ledger: WorkflowLedger, **trust):
+        """`trust`: TrustConfig's fields, one mode; the mode's judge decides when the score order is followed."""
+        super().__init__(ledger, trust)
+
+    def _values(self, workflow: str) -> dict | None:
+        """v_w (agent -> value), the workflow's folded predictions that Score sums, or None once it
+        is retired (the outcome shadows' order)."""
+        return self.ledger.reuse_value.get(workflow, {}) if self.ledger.is_live(workflow) else None
+
+    def changed_by(self, changed):
+        return changed.scores if self.trusted else []  # untrusted: the order ignores the scores
+
     def priority(self, node):
         if self.ledger.is_retired(node.id):
             return (0, 0.0, node.last_access_time)
@@ -587,7 +602,7 @@ class PBKV(_LedgerPolicy):
         return (1, self.ledger.score(node.id) if self.trusted else 0.0, node.last_access_time)
 
 
-class PBKVTime(_LedgerPolicy):
+class PBKVTime(_JudgedPolicy):
     r"""pbkv_time: PBKV's lookahead score, each read discounted by when it is expected; a call
     already waiting in the server's admission queue counts as a certain read of its prompt's path.
 
@@ -617,20 +632,26 @@ class PBKVTime(_LedgerPolicy):
     e^{\Delta/\tau}), so a node's priority changes only when its workflows' state does; it is
     kept as a logarithm (sums by log-sum-exp), which neither overflows nor underflows.
 
+    Trust as PBKV's (cache/trust.py): under trust="outcome" (the default) two shadow caches, one in
+    this order (TimeOutcomeTrust: the same values, the queued calls told to it too), one in
+    lifecycle-aware LRU's, follow the calls, and the order falls back to lifecycle-aware LRU while
+    that one's shadow has more GPU hits.
+
     Args:
         ledger: who used each node (the WorkflowLedger).
         time_tau_s: tau, seconds (PbkvConfig.time_tau_s).
         gamma: the step discount (PbkvConfig.gamma).
+        trust: TrustConfig's fields, one mode (PbkvConfig.trust_options).
     """
 
     name = "pbkv_time"
     uses_predictions = True
     reads_queue = True
     reads_times = True
+    outcome_judge = TimeOutcomeTrust
 
     def __init__(self, ledger: WorkflowLedger, time_tau_s: float = PbkvConfig.time_tau_s,
-                 gamma: float = PbkvConfig.gamma):
-        super().__init__(ledger)
+                 gamma: float = PbkvConfig.gamma, **trust):
         if not time_tau_s > 0:
             raise ValueError(f"pbkv.time_tau_s must be above 0; got {time_tau_s}")
         self.tau, self.gamma = time_tau_s, gamma
@@ -640,6 +661,8 @@ class PBKVTime(_LedgerPolicy):
         self.busy: dict[str, None] = {}  # workflows whose predicted step 1 came: queued, running or done
         self.queued_on: dict[int, dict[str, float]] = {}  # node id -> queued workflow -> -t^q / tau
         self.queued_path: dict[str, list[int]] = {}  # queued (or running) workflow -> its path's node ids
+        super().__init__(ledger, trust)
+        self.outcome = self.judge if isinstance(self.judge, TimeOutcomeTrust) else None  # told each change
 
     def _log_discount(self, t: float) -> float:
         return -t / self.tau
@@ -659,16 +682,32 @@ class PBKVTime(_LedgerPolicy):
             if w not in self.queued_path:  # made after its latest call finished, before the next one came
                 self.busy.pop(w, None)
             changed.extend(self.ledger.nodes_of[w])
+            if self.outcome is not None:
+                self.outcome.revise(w)
         return changed
 
-    def on_queued(self, workflow, agent, node_ids, t):
+    def on_queued(self, workflow, agent, node_ids, t, keys=()):
         self._leave_queue(workflow)
         log_t = self._log_discount(t)
         for node_id in node_ids:
             self.queued_on.setdefault(node_id, {})[workflow] = log_t
         self.queued_path[workflow] = list(node_ids)
         self.busy[workflow] = None
+        if self.outcome is not None:
+            self.outcome.observe_queued(workflow, keys, log_t)
+            self.outcome.revise(workflow)
         return [*self.ledger.nodes_of.get(workflow, ()), *node_ids]
+
+    def _values(self, workflow: str) -> tuple | None:
+        """The shadows' reader table: (log discount of the prediction's time, agent -> value from the
+        step the sum starts at); None once the workflow is retired."""
+        if not self.ledger.is_live(workflow):
+            return None
+        known = self.predicted.get(workflow)
+        if known is None:
+            return (0.0, {})
+        offset, total, later = known
+        return (offset, later if workflow in self.busy else total)
 
     def on_call_finished(self, workflow, agent, node_ids, context_tokens, more_calls):
         """The call leaves the queue's reads; its workflow stays busy (the latest prediction's step 1
@@ -677,6 +716,8 @@ class PBKVTime(_LedgerPolicy):
         if not more_calls:
             self.predicted.pop(workflow, None)
             self.busy.pop(workflow, None)
+            if self.outcome is not None:
+                self.outcome.revise(workflow)
         return list(self.ledger.nodes_of.get(workflow, ()))
 
     def _leave_queue(self, workflow: str) -> None:
@@ -711,15 +752,13 @@ class PBKVTime(_LedgerPolicy):
             part = sum(table.get(a, 0.0) for a in agents)
             if part > 0:
                 terms.append(offset + math.log(part))
-        if not terms:
-            return -INF
-        top = max(terms)
-        return top + math.log(sum(math.exp(x - top) for x in terms)) if len(terms) > 1 else top
+        return log_sum_exp(terms)
 
     def priority(self, node):
         if self.ledger.is_retired(node.id):
             return (0, 0.0, node.last_access_time)
-        return (1, self.log_value(node.id), node.last_access_time)
+        # untrusted: every live node the same value, i.e. lifecycle-aware LRU
+        return (1, self.log_value(node.id) if self.trusted else 0.0, node.last_access_time)
 
 
 class KVFlow(_LedgerPolicy):

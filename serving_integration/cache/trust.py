@@ -110,8 +110,8 @@ class AccuracyTrust:
 
     mode = "accuracy"
 
-    def __init__(self, ledger: Ledger, options: TrustConfig):
-        self.ledger = ledger
+    def __init__(self, ledger: Ledger, options: TrustConfig, candidate: str = "pbkv"):
+        self.ledger, self.candidate = ledger, candidate
         self.meter = TrustMeter(options.trust_threshold, options.trust_margin, options.trust_window)
 
     @property
@@ -131,7 +131,7 @@ class AccuracyTrust:
         pass  # the meter reads predictions, not cache contents
 
     def report(self) -> dict:
-        return {"trust": self.mode, "following": "pbkv" if self.trusted else "pbkv_lae",
+        return {"trust": self.mode, "following": self.candidate if self.trusted else "pbkv_lae",
                 "trust_switches": self.switches, "prediction_quality": self.meter.quality}
 
 
@@ -173,6 +173,45 @@ class ShadowEntry:
         del self.readers[workflow]
         self.parts.pop(workflow, None)
         self.score = sum(self.parts.values())
+
+
+class TimeShadowEntry(ShadowEntry):
+    """A key as pbkv_time's shadow knows it: its score is log V (policies.PBKVTime.log_value), the
+    log-sum-exp of its live readers' terms (a reader's table is (log discount of its prediction's
+    time, agent -> value); its term: that log discount + the log of its values summed over its
+    agents, -inf at 0) and of its queued readers' (the log discount of the time each came)."""
+
+    __slots__ = ("queued",)
+
+    def __init__(self, size: int, first: str):
+        super().__init__(size, first)
+        self.queued: dict[str, float] = {}  # queued sampled workflow -> the log discount of its queue time
+        self.score = -math.inf
+
+    def set_part(self, workflow: str, table: tuple) -> None:
+        offset, values = table
+        part = sum(values.get(a, 0.0) for a in self.readers[workflow])
+        self.parts[workflow] = offset + math.log(part) if part > 0 else -math.inf
+        self.rescore()
+
+    def drop_reader(self, workflow: str) -> None:
+        del self.readers[workflow]
+        self.parts.pop(workflow, None)
+        self.rescore()
+
+    def rescore(self) -> None:
+        self.score = log_sum_exp([*self.queued.values(), *self.parts.values()])  # the policy's order of terms
+
+
+def log_sum_exp(terms: list[float]) -> float:
+    """log(sum(exp(x))) over `terms` without overflow (-inf for none); one term is returned as it
+    is, so a key with one reader has exactly that reader's term, as in policies.PBKVTime."""
+    if not terms:
+        return -math.inf
+    top = max(terms)
+    if len(terms) == 1 or top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(x - top) for x in terms))
 
 
 def lru_rank(entry: ShadowEntry) -> tuple:
@@ -289,6 +328,8 @@ class OutcomeTrust:
     the plugin's runtime) through `set_capacity` before each call and insert."""
 
     mode = "outcome"
+    candidate = "pbkv"  # the order it judges (the policy's name)
+    entry_type: type[ShadowEntry] = ShadowEntry
 
     def __init__(self, options: TrustConfig, values: Callable[[str], dict | None], capacity: float = 0.0):
         self.values = values
@@ -431,7 +472,7 @@ class OutcomeTrust:
         for key, size in zip(reversed(keys), reversed(sizes)):
             entry = entries.get(key)
             if entry is None:
-                entry = entries[key] = ShadowEntry(size, workflow)
+                entry = entries[key] = self.entry_type(size, workflow)
             elif not entry.shared and entry.first != workflow:
                 entry.shared = True
             if mine is not None:
@@ -555,7 +596,7 @@ class OutcomeTrust:
         drops as its last workflows finish, and every rate rises)."""
         score, lru = self.hit_rates()
         total = self.total_prompt_tokens or 1
-        return {"trust": self.mode, "following": "pbkv" if self.trusted else "pbkv_lae",
+        return {"trust": self.mode, "following": self.candidate if self.trusted else "pbkv_lae",
                 "trust_switches": self.switches, "shadow_sampled_calls": self.sampled_calls,
                 "shadow_hit_rate_pbkv": self.score_shadow.total_hit_tokens / total,
                 "shadow_hit_rate_lae": self.lru_shadow.total_hit_tokens / total,
@@ -564,12 +605,71 @@ class OutcomeTrust:
                 "shadow_hit_tokens_lae": self.lru_shadow.total_hit_tokens}
 
 
-def make_trust(options: TrustConfig, ledger: Ledger, values: Callable[[str], dict | None]):
-    """The judge of one trust mode, or None for always (nothing to judge). `values`: as OutcomeTrust's."""
+class TimeOutcomeTrust(OutcomeTrust):
+    """trust=outcome for pbkv_time: its order (log V, policies.PBKVTime) against lifecycle-aware LRU.
+    The same shadows and decision; a key's score is pbkv_time's value (TimeShadowEntry), a reader's
+    table (`values`) is (the log discount of its prediction's time, agent -> value from the step its
+    sum starts at), and a call waiting in the admission queue (`observe_queued`) adds its log
+    discount to the keys of its prompt the score shadow holds as a prefix, as the policy adds it to
+    the prompt's cached path, until the call finishes."""
+
+    candidate = "pbkv_time"
+    entry_type = TimeShadowEntry
+
+    def __init__(self, options: TrustConfig, values: Callable[[str], tuple | None], capacity: float = 0.0):
+        super().__init__(options, values, capacity)
+        self.queued_keys: dict[str, list] = {}  # queued (or running) sampled workflow -> its keys with the term
+
+    def observe_queued(self, workflow: str, keys: Sequence, term: float) -> None:
+        """A call of `workflow` entered the admission queue; `term`: the log discount of the time it came."""
+        if not keys or not self.is_sampled(workflow):
+            return
+        self._unqueue(workflow)
+        entries, held, locked = self.entries, self.score_shadow.held, self.locked
+        marked = []
+        for key in keys:
+            if key not in held:
+                break  # the cached prefix ends here, as the real tree's path does
+            entry = entries[key]
+            entry.queued[workflow] = term
+            entry.rescore()
+            marked.append(key)
+            if key not in locked:
+                self.score_shadow.push(key, entry, self.clock)
+        self.queued_keys[workflow] = marked
+
+    def _unqueue(self, workflow: str) -> None:
+        entries, held, locked = self.entries, self.score_shadow.held, self.locked
+        for key in self.queued_keys.pop(workflow, ()):
+            entry = entries.get(key)
+            if entry is not None and entry.queued.pop(workflow, None) is not None:
+                entry.rescore()
+                if key in held and key not in locked:
+                    self.score_shadow.push(key, entry, self.clock)
+
+    def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
+        if keys and self.is_sampled(workflow):
+            self._unqueue(workflow)  # the call finished: it leaves the queue's reads
+        super().observe_insert(workflow, keys, sizes, agent)
+
+    def revise(self, workflow: str) -> None:
+        if workflow in self.tables or workflow in self.queued_keys:
+            self._revised[workflow] = None
+
+    def _refresh(self) -> None:
+        for w in [w for w in self._revised if w in self.queued_keys and self.values(w) is None]:
+            self._unqueue(w)  # retired while queued (an aborted call)
+        super()._refresh()
+
+
+def make_trust(options: TrustConfig, ledger: Ledger, values: Callable[[str], dict | None],
+               outcome: type[OutcomeTrust] = OutcomeTrust):
+    """The judge of one trust mode, or None for always (nothing to judge). `values`: as the outcome
+    judge's (`outcome`: OutcomeTrust for pbkv, TimeOutcomeTrust for pbkv_time)."""
     if options.trust == "accuracy":
-        return AccuracyTrust(ledger, options)
+        return AccuracyTrust(ledger, options, outcome.candidate)
     if options.trust == "outcome":
-        return OutcomeTrust(options, values)
+        return outcome(options, values)
     return None
 
 
@@ -579,7 +679,7 @@ def trust_summary(reports: list[dict]) -> dict:
     if not reports:
         return {}
     out = {"trust_switches": sum(r["trust_switches"] for r in reports),
-           "trusted_at_end": all(r["following"] == "pbkv" for r in reports)}
+           "trusted_at_end": all(r["following"] != "pbkv_lae" for r in reports)}
     for name in ("prediction_quality", "shadow_hit_rate_pbkv", "shadow_hit_rate_lae", "shadow_window_hit_rate_pbkv",
                  "shadow_window_hit_rate_lae"):
         if name in reports[0]:

@@ -21,8 +21,9 @@ the same workflows and seed. The policies (`policies=[...]`):
                       first-order Markov predictor fitted on the train split)
     pbkv_perfect      the same score fed the true future agents (a perfect predictor)
     pbkv_time         PBKV's score with each read discounted by when it is expected (the predictor's
-                      times, pbkv.time_tau_s) and the queued calls known (cache/policies.py PBKVTime);
-    pbkv_time_perfect its own order always (no trust modes yet); _perfect: the true agents and tool times
+                      times, pbkv.time_tau_s) and the queued calls known (cache/policies.py PBKVTime),
+                      under each pbkv.trust mode as pbkv
+    pbkv_time_perfect the same fed the true agents and tool times, always trusted
     oracle            clairvoyant eviction by furthest next use of the real future, prefetching
                       for the true next calls: a heuristic reference, not a bound (policies can
                       beat it); every row carries proven bounds on its own request sequence
@@ -201,12 +202,14 @@ def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
             yield name, OWN_PREFETCH[name], "none", dict(policy=name, prefetch=OWN_PREFETCH[name])
         elif name == "continuum":
             yield name, "none", "none", dict(policy=name, policy_options=dataclasses.asdict(knobs.continuum))
-        elif name in ("pbkv_time", "pbkv_time_perfect"):  # no trust modes yet: always its own order
+        elif name in ("pbkv_time", "pbkv_time_perfect"):
             source, label = (learned[0], learned[1]["family"]) if name in LEARNED else (perfect, "perfect")
-            for mode in knobs.run.prefetch:
-                yield name, mode, label, dict(policy="pbkv_time", policy_options=pbkv.time_options(), prefetch=mode,
-                                              gamma=pbkv.gamma, trust="always",
-                                              predictions=for_run(p, source, seed, learned=name in LEARNED))
+            # as pbkv: the learned predictor under each requested trust mode, the true future always trusted
+            for trust in (pbkv.trust_modes if name in LEARNED else ("always",)):
+                for mode in knobs.run.prefetch:
+                    yield name, mode, label, dict(policy="pbkv_time", policy_options=pbkv.time_options(trust),
+                                                  prefetch=mode, gamma=pbkv.gamma, trust=trust,
+                                                  predictions=for_run(p, source, seed, learned=name in LEARNED))
         elif name in PREDICTIVE:
             source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound

@@ -27,8 +27,9 @@ def row_label(r: dict) -> str:
         name += f"+{r['prefetch']}"
     if r["policy"] in ("pbkv", "pbkv_time") and r.get("predictor") not in (None, "none", "markov"):
         name += f" ({r['predictor']})"
-    if r["policy"] == "pbkv" and r.get("predictor") != "perfect" and r.get("trust") in ("always", "accuracy"):
-        name += f" [{r['trust']}]"  # always: the paper's policy; outcome trust is pbkv's default
+    if r["policy"] in ("pbkv", "pbkv_time") and r.get("predictor") != "perfect" \
+            and r.get("trust") in ("always", "accuracy"):
+        name += f" [{r['trust']}]"  # always: the paper's policy (pbkv_time's order always); outcome is the default
     if r.get("noise_kind") == "adversarial":
         name += " adversarial"  # the noise level is the row's `noise`
     if r["policy"] == "oracle":  # Belady by distance in calls: a reference, not a bound (rows.py: the bounds)

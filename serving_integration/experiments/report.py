@@ -501,30 +501,31 @@ def regret_fit(rows) -> tuple[str, list]:
 ROBUST_TOLERANCE = 0.01  # a trust mode may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
 ROBUST_KEEP = 0.95  # and keep this share of always's gain over LRU wherever always wins by more than its interval
 JUDGED = ("outcome", "accuracy")  # the trust modes checked against lru, pbkv_lae and always (cache/trust.py)
+TRUSTING = ("pbkv", "pbkv_time")  # the policies with trust modes (policies._JudgedPolicy)
 
 
 def robustness_rows(rows) -> list[tuple]:
-    """(setting, predictor, noise, noise kind, lru, pbkv_lae, {trust mode: row}) for every test
-    setting with plain lru and pbkv_lae rows, pbkv under always and under at least one judged trust
-    mode, no prefetch."""
+    """(setting, policy, predictor, noise, noise kind, lru, pbkv_lae, {trust mode: row}) for every
+    test setting with plain lru and pbkv_lae rows, pbkv or pbkv_time under always and under at least
+    one judged trust mode, no prefetch."""
     groups = defaultdict(dict)
     for r in rows:
         if r["comparison"] != "policies" or split_of(r) != "test" or r["prefetch"] != "none":
             continue
         if r["policy"] in ("lru", "pbkv_lae") and not r.get("noise"):
             groups[setting_of(r)].setdefault(r["policy"], r)
-        elif r["policy"] == "pbkv" and r.get("trust") in (*JUDGED, "always"):
+        elif r["policy"] in TRUSTING and r.get("predictor") != "perfect" and r.get("trust") in (*JUDGED, "always"):
             kind = r.get("noise_kind") if r.get("noise") else "none"
-            groups[setting_of(r)].setdefault((r["predictor"], r.get("noise") or 0.0, kind), {}).setdefault(
+            groups[setting_of(r)].setdefault((r["policy"], r["predictor"], r.get("noise") or 0.0, kind), {}).setdefault(
                 r["trust"], r)
     out = []
     for key, group in groups.items():
         if "lru" not in group or "pbkv_lae" not in group:
             continue
-        for pred, noise, kind in sorted(k for k in group if isinstance(k, tuple)):
-            modes = group[(pred, noise, kind)]
+        for policy, pred, noise, kind in sorted(k for k in group if isinstance(k, tuple)):
+            modes = group[(policy, pred, noise, kind)]
             if "always" in modes and any(m in modes for m in JUDGED):
-                out.append((key, pred, noise, kind, group["lru"], group["pbkv_lae"], modes))
+                out.append((key, policy, pred, noise, kind, group["lru"], group["pbkv_lae"], modes))
     return out
 
 
@@ -547,13 +548,15 @@ def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, boo
 def robustness_check(rows) -> str:
     """Per seed: each judged trust mode minus max(lru, pbkv_lae) in points, and the share of always's
     gain over LRU it keeps; each against its criterion."""
-    body, met = [], {mode: [0, 0] for mode in JUDGED}  # mode -> [rows meeting both criteria, rows]
-    for key, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
+    # (policy, mode) -> [rows meeting both criteria, rows]
+    body, met = [], {(policy, mode): [0, 0] for policy in TRUSTING for mode in JUDGED}
+    for key, policy, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
         at = dict(zip(SETTING, key))
         l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
         wins = always_wins(l, w)
         seeds = modes["always"].get("seeds") or [modes["always"].get("seed")]
-        cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")), pred,
+        cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")),
+                 "partial" if at.get("partial_eviction") else "whole-node", policy, pred,
                  "none" if not noise else f"{kind} eps={noise:g}", ", ".join(str(x) for x in seeds),
                  " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
                  " / ".join(f"{x:.1%}" for x in w)]
@@ -563,20 +566,22 @@ def robustness_check(rows) -> str:
                 continue
             a = per_seed(modes[mode], "hit_rate")
             margin, keep, ok = trust_verdict(l, e, a, w, wins)
-            met[mode][0] += ok
-            met[mode][1] += 1
+            met[policy, mode][0] += ok
+            met[policy, mode][1] += 1
             cells += [" / ".join(f"{x:.1%}" for x in a), " / ".join(f"{100 * m:+.1f}" for m in margin),
                       " / ".join("no gain" if math.isnan(k) else f"{k:.0%}" for k in keep)
                       + ("" if wins else " (always within its interval: not checked)"),
                       "yes" if ok else "**no**"]
         body.append(cells)
     if not body:
-        return "No setting with lru, pbkv_lae, pbkv always and pbkv under outcome or accuracy trust in these runs."
-    head = ["workload", "GPU tokens", "host tier", "predictor", "noise", "seeds", "lru", "pbkv_lae", "pbkv always"]
+        return ("No setting with lru, pbkv_lae, and pbkv or pbkv_time under always and under outcome or accuracy "
+                "trust in these runs.")
+    head = ["workload", "GPU tokens", "host tier", "eviction", "policy", "predictor", "noise", "seeds", "lru",
+            "pbkv_lae", "always"]
     for mode in JUDGED:
-        head += [f"pbkv {mode}", f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
+        head += [mode, f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
                  f"{mode}: criteria met"]
-    tally = "; ".join(f"{mode} trust in {ok} of {n} rows" for mode, (ok, n) in met.items() if n)
+    tally = "; ".join(f"{policy} under {mode} trust in {ok} of {n} rows" for (policy, mode), (ok, n) in met.items() if n)
     return f"Both criteria met in every seed: {tally}.\n\n" + md_table(head, body)
 
 
@@ -612,12 +617,12 @@ def robust_section(rows) -> str:
 
 
 ROBUST_NOTE = (
-    "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv under "
-    "outcome trust (it follows whichever of its score order and lifecycle-aware LRU has more GPU hits on shadow "
+    "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv (and "
+    "pbkv_time, the time-aware policy, where its runs have it) under outcome trust (it follows whichever of its score order and lifecycle-aware LRU has more GPU hits on shadow "
     "caches that follow the server's calls) and under accuracy trust (it falls back to lifecycle-aware LRU while "
     "the predictions it checks online are poor), each against the better of lru and pbkv_lae, in points of GPU "
     "hit rate (criterion: >= -1 in every seed), and the share of the gain of pbkv under always trust (the "
-    "paper's policy) over LRU that it keeps (criterion where always's gain over LRU exceeds its 95% interval "
+    "paper's policy; for pbkv_time its own order always followed) over LRU that it keeps (criterion where always's gain over LRU exceeds its 95% interval "
     "over the seeds: >= 95% in every seed; \"no gain\": always gains nothing over LRU in that seed, met when the "
     "mode is no worse than always). "
     "The predictor table gives the test top-1 at k=1 of the predictor behind pbkv beside Markov's, per seed.")

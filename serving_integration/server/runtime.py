@@ -361,7 +361,7 @@ class WorkflowRuntime:
                               f"conservative, aggressive or its own ({DEFAULT_PREFETCH[policy_name]})")
         options = (config.options(policy_name) if policy_name in STEP_GRAPH_POLICIES else
                    config.trust_options(config.trust) if policy_name == "pbkv" else
-                   config.time_options() if policy_name == "pbkv_time" else
+                   config.time_options(config.trust) if policy_name == "pbkv_time" else
                    config.continuum_options() if policy_name == "continuum" else {})
         self.policy = make_policy(policy_name, self.ledger, **options)
         self.pool_tokens: int | None = None  # the GPU pool's size, read at the first scheduler step
@@ -410,8 +410,9 @@ class WorkflowRuntime:
             self.policy.set_capacity(tokens, host_tier=getattr(cache, "cache_controller", None) is not None)
 
     def _shadow_keys(self, workflow_id: str, tokens) -> tuple[list, list]:
-        """The content keys the outcome shadows need of a call of this workflow: none unless pbkv
-        judges by outcome and samples the workflow (the tokens are hashed only then)."""
+        """The content keys the outcome shadows need of a call of this workflow: none unless the
+        policy (pbkv, pbkv_time) judges by outcome and samples the workflow (the tokens are hashed
+        only then)."""
         judge = getattr(self.policy, "judge", None)
         if getattr(judge, "mode", None) != "outcome" or not judge.is_sampled(workflow_id):
             return [], []
@@ -512,7 +513,8 @@ class WorkflowRuntime:
         key = RadixKey(req.origin_input_ids, getattr(req, "extra_key", None), is_bigram=tree_core.is_eagle,
                        cache_salt=getattr(req, "cache_salt", None))  # as SGLang keys the request's prompt
         _, last, _ = tree_core.match_full_device_prefix(key)
-        self.policy.on_queued(wf.id, tag.agent, tree_core.path_node_ids(last), self.clock())
+        keys, _ = self._shadow_keys(wf.id, req.origin_input_ids)  # for the outcome judge's shadows
+        self.policy.on_queued(wf.id, tag.agent, tree_core.path_node_ids(last), self.clock(), keys)
         self.stats.count("calls_queued")
 
     def on_finished(self, req) -> None:

@@ -287,7 +287,8 @@ class Server:
         self.calls += 1
         if self.policy.reads_queue:  # pbkv_time: the queued call's cached path, read without touching it
             path, _, _ = self.tree.peek_path(request.call.units)
-            self.tree.refresh_ids(self.policy.on_queued(wf.id, request.call.agent, [n.id for n in path], t))
+            self.tree.refresh_ids(self.policy.on_queued(wf.id, request.call.agent, [n.id for n in path], t,
+                                                        request.call.keys))
 
     def step(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
         """Admit what fits, then run one prefill iteration, or a run of identical decode iterations

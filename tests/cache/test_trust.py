@@ -8,7 +8,7 @@ import pytest
 
 from data.errors import ConfigError
 from serving_integration.cache.config import TrustConfig
-from serving_integration.cache.trust import OutcomeTrust, sampled
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, sampled
 
 VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent], as PBKV's ledger folds them
 
@@ -122,14 +122,17 @@ def test_without_a_host_tier_what_the_server_had_and_a_shadow_did_not_is_its_roo
     assert held(trust) == (["A", "B", "D"], ["A", "B", "D"]) and trust.score_shadow.reserved == 0
 
 
-def test_the_incremental_orders_are_the_orders_a_full_sort_gives():
-    """After a random stream of calls, inserts, new predictions and retirements, each shadow's heap
-    yields its held, unlocked keys exactly in the order of sorting them by their rank now."""
+@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
+def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
+    """After a random stream of calls (queued first, for pbkv_time's judge), inserts, new predictions
+    and retirements, each shadow's heap yields its held, unlocked keys exactly in the order of
+    sorting them by their rank now."""
     rng = random.Random(0)
-    tables = {f"w{i}": {a: rng.random() for a in "abc"} for i in range(6)}
+    timed = judge_type is TimeOutcomeTrust
+    table = lambda: {a: rng.choice([0.0, 0.5, rng.random()]) for a in "abc"}
+    tables = {f"w{i}": (-rng.random() * 50, table()) if timed else table() for i in range(6)}
     live = set(tables)
-    trust = OutcomeTrust(TrustConfig(outcome_sample=1.0, outcome_slack=0.0),
-                         lambda w: tables[w] if w in live else None)
+    trust = judge_type(TrustConfig(outcome_sample=1.0, outcome_slack=0.0), lambda w: tables[w] if w in live else None)
     trust.set_capacity(60)
     running = {}
     for step in range(400):
@@ -139,10 +142,12 @@ def test_the_incremental_orders_are_the_orders_a_full_sort_gives():
         else:
             keys = [f"{w[1] if rng.random() < 0.5 else 's'}{j}" for j in range(rng.randint(1, 4))]
             running[w] = (keys, [rng.randint(1, 6) for _ in keys])
+            if timed:
+                trust.observe_queued(w, keys, -step / 10)
             trust.observe_call(w, rng.choice("abc"), *running[w])
         if rng.random() < 0.2:  # a new prediction
             w = rng.choice(sorted(tables))
-            tables[w] = {a: rng.choice([0.0, 0.5, rng.random()]) for a in "abc"}
+            tables[w] = (-step / 10, table()) if timed else table()
             trust.revise(w)
         if rng.random() < 0.05:
             w = rng.choice(sorted(tables))
@@ -150,6 +155,8 @@ def test_the_incremental_orders_are_the_orders_a_full_sort_gives():
             trust.revise(w)
     trust._refresh()
     assert trust.locked and any(not e.readers for e in trust.entries.values())  # the stream reached both cases
+    if timed:
+        assert any(e.queued for e in trust.entries.values())
     for shadow in trust.shadows:
         expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: shadow.rank(trust.entries[k]))
         popped = []
@@ -218,3 +225,28 @@ def test_a_full_shadow_evicts_down_to_its_slack():
     assert trust.lru_shadow.used == 100
     run_call(trust, "w1", "c", ["k10"], [10])  # 110 > 100: down to 90 (the two oldest go)
     assert trust.lru_shadow.used == 90 and sorted(trust.lru_shadow.held) == sorted(f"k{i}" for i in range(2, 11))
+
+
+def test_pbkv_time_judge_keeps_the_queued_calls_keys_until_the_call_finishes():
+    """TimeOutcomeTrust: a key's score is pbkv_time's log value, and a queued call's term (its queue
+    time) keeps the prefix of its prompt that the score shadow holds, as the policy keeps the cached
+    path of a queued call; it leaves when the call finishes."""
+    import math
+
+    tables = {"w1": (-1.0, {"a": 0.5}), "w2": (-2.0, {"a": 0.25}), "w3": (0.0, {})}
+    trust = TimeOutcomeTrust(TrustConfig(outcome_sample=1.0, outcome_slack=0.0, outcome_min_calls=10**6),
+                             lambda w: tables.get(w))
+    trust.set_capacity(12)
+    run_call(trust, "w1", "a", ["X"], [4])
+    run_call(trust, "w2", "a", ["Y"], [4])
+    run_call(trust, "w3", "a", ["Z"], [4])
+    entries = trust.entries
+    assert entries["X"].score == pytest.approx(-1.0 + math.log(0.5)) and entries["Z"].score == -math.inf
+    trust.observe_queued("w3", ["Z", "Q"], -0.5)  # Q: not held, the cached prefix ends at Z
+    assert trust.queued_keys["w3"] == ["Z"] and entries["Z"].score == -0.5
+    run_call(trust, "w2", "a", ["V"], [4])  # room for V: Y goes (the lowest value), not the queued Z
+    assert held(trust)[0] == ["V", "X", "Z"]
+    trust.observe_call("w3", "a", ["Z"], [4])
+    trust.observe_insert("w3", ["Z"], [4], "a")  # the call finished: its queue term goes
+    assert "w3" not in trust.queued_keys and entries["Z"].score == -math.inf
+    assert trust.report()["following"] == "pbkv_time"

@@ -120,15 +120,15 @@ def test_robustness_check_is_per_seed_against_its_criteria():
     table = robustness_check(rows)
     assert JUDGED == ("outcome", "accuracy")
     graphsage = cells_of(table, "| graphsage |")
-    outcome, accuracy = graphsage[9:13], graphsage[13:17]
+    outcome, accuracy = graphsage[11:15], graphsage[15:19]
     # margins over max(lru, pbkv_lae) in points; shares of always's gain kept; seed 2 fails both criteria
     assert outcome[1] == "+18.0 / +0.5 / -1.5" and outcome[2].startswith("100% / 15% / -15%") and outcome[3] == "**no**"
     assert accuracy[1] == "+18.0 / +9.0 / +10.0" and accuracy[2].startswith("100% / 100% / 100%") and accuracy[3] == "yes"
     markov = cells_of(table, "| markov |")
-    assert markov[10] == "+8.0 / +9.0 / +10.0" and markov[12] == "yes" and markov[13:] == ["n/a"] * 4
+    assert markov[12] == "+8.0 / +9.0 / +10.0" and markov[14] == "yes" and markov[15:] == ["n/a"] * 4
     # always's gain (20, 10, 10 points) is larger than its 95% interval over the seeds: the share is checked
-    assert "not checked" not in markov[11] and markov[11] == "100% / 100% / 100%"
-    assert "outcome trust in 1 of 2 rows; accuracy trust in 1 of 1 rows." in table  # the tally above the table
+    assert "not checked" not in markov[13] and markov[13] == "100% / 100% / 100%"
+    assert "pbkv under outcome trust in 1 of 2 rows; pbkv under accuracy trust in 1 of 1 rows." in table  # the tally above the table
     top1 = predictor_check(rows)
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
 
@@ -139,9 +139,9 @@ def test_the_share_of_always_gain_is_checked_only_where_always_wins_beyond_its_i
     base = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.20, 0.20, 0.20])]
     noisy = robust_row("pbkv", [0.26, 0.20, 0.20], "always", "graphsage")  # +6, 0, 0 points: within its interval
     kept_none = robust_row("pbkv", [0.20, 0.20, 0.20], "outcome", "graphsage")
-    assert cells_of(robustness_check(base + [noisy, kept_none]), "| graphsage |")[12] == "yes"
+    assert cells_of(robustness_check(base + [noisy, kept_none]), "| graphsage |")[14] == "yes"
     steady = robust_row("pbkv", [0.26, 0.25, 0.26], "always", "graphsage")
-    assert cells_of(robustness_check(base + [steady, kept_none]), "| graphsage |")[12] == "**no**"
+    assert cells_of(robustness_check(base + [steady, kept_none]), "| graphsage |")[14] == "**no**"
 
 
 def test_no_gain_to_keep_is_met_only_when_the_mode_is_no_worse_than_always():
@@ -151,10 +151,28 @@ def test_no_gain_to_keep_is_met_only_when_the_mode_is_no_worse_than_always():
     base = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.20, 0.20, 0.20])]
     always = robust_row("pbkv", [0.195, 0.19, 0.20], "always", "graphsage")
     same = robustness_check(base + [robust_row("pbkv", [0.195, 0.19, 0.20], "outcome", "graphsage"), always])
-    assert cells_of(same, "| graphsage |")[11].startswith("no gain / no gain / no gain")
-    assert cells_of(same, "| graphsage |")[12] == "yes"
+    assert cells_of(same, "| graphsage |")[13].startswith("no gain / no gain / no gain")
+    assert cells_of(same, "| graphsage |")[14] == "yes"
     worse = robustness_check(base + [robust_row("pbkv", [0.195, 0.185, 0.20], "outcome", "graphsage"), always])
-    assert cells_of(worse, "| graphsage |")[12] == "**no**"
+    assert cells_of(worse, "| graphsage |")[14] == "**no**"
+
+
+def test_robustness_check_judges_pbkv_time_against_its_own_always():
+    """pbkv_time's rows (the time-aware policy) get their own line, judged against pbkv_time always,
+    not pbkv's; the perfect-prediction rows are no trust mode's."""
+    from serving_integration.experiments.report import robustness_check
+
+    rows = [robust_row("lru", [0.20, 0.20, 0.20]), robust_row("pbkv_lae", [0.22, 0.21, 0.20]),
+            robust_row("pbkv", [0.30, 0.30, 0.30], "always", "graphsage"),
+            robust_row("pbkv", [0.30, 0.30, 0.30], "outcome", "graphsage"),
+            robust_row("pbkv_time", [0.40, 0.40, 0.40], "always", "graphsage"),
+            robust_row("pbkv_time", [0.30, 0.30, 0.30], "outcome", "graphsage"),
+            robust_row("pbkv_time", [0.50, 0.50, 0.50], "always", "perfect")]
+    table = robustness_check(rows)
+    line = cells_of(table, "| pbkv_time |")
+    assert line[10] == "40.0% / 40.0% / 40.0%" and line[13].startswith("50% / 50% / 50%") and line[14] == "**no**"
+    assert "perfect" not in table
+    assert "pbkv under outcome trust in 1 of 1 rows; pbkv_time under outcome trust in 0 of 1 rows." in table
 
 
 def sweep_rows(policies, sizes=(100000, 200000), splits=("val", "test")):

@@ -5,10 +5,10 @@ from serving_integration.experiments.rows import make_row
 from serving_integration.experiments.time_aware import gap_closed, margin, time_aware_section
 
 
-def row(policy, latencies, recompute, hits, floor=(0.70, 0.70, 0.70), host=0.0, real=True):
+def row(policy, latencies, recompute, hits, floor=(0.70, 0.70, 0.70), host=0.0, real=True, trust="outcome"):
     labels = {"workload": "who_and_when", "policy": policy, "gpu_tokens": 121226, "concurrency": 32,
               "hicache_ratio": host, "gpu_working_set_fraction": 0.5, "partial_eviction": True, "seed": 0,
-              "trust": "outcome" if policy == "pbkv" else "always" if policy == "pbkv_time" else "none"}
+              "trust": trust if policy in ("pbkv", "pbkv_time") else "none", "predictor": "graphsage"}
     metrics = {"mean_workflow_latency_s": sum(latencies) / 3, "mean_workflow_latency_s_per_seed": latencies,
                "recompute_rate": sum(recompute) / 3, "recompute_rate_per_seed": recompute,
                "hit_rate": sum(hits) / 3, "hit_rate_per_seed": hits, "seeds": [0, 1, 2],
@@ -25,9 +25,12 @@ def test_gap_closed_margin_and_the_targets_per_setting(tmp_path):
     assert round(gap_closed(mine, lru), 9) == 0.5
     by = {"lru": lru, "pbkv_lae": lae, "pbkv_time": mine}
     assert round(margin(mine, by), 6) == -1.0
-    md = time_aware_section([lru, lae, mine], tmp_path)
+    # its own order throughout (trust always) trails by 3 points in seed 1: the targets read the outcome row
+    always = row("pbkv_time", [96.0, 88.0, 77.0], [0.80, 0.79, 0.76], [0.20, 0.18, 0.24], trust="always")
+    md = time_aware_section([lru, lae, always, mine], tmp_path)
     lines = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
-    assert "| 50% |" in lines["pbkv_time"] and "| -1.0 |" in lines["pbkv_time"] and "| 0% |" in lines["lru"]
+    assert "| 50% |" in lines["pbkv_time (graphsage)"] and "| -1.0 |" in lines["pbkv_time (graphsage)"]
+    assert "| -3.0 |" in lines["pbkv_time (graphsage) [always]"] and "| 0% |" in lines["lru"]
     assert "in 1 of 1 settings" in md  # a real trace: 30% is the target
     assert "(time_aware_gap.png)" in md and (tmp_path / "time_aware_gap.png").stat().st_size > 0
     assert "below the best of lru, pbkv_lae and continuum in some seed in 0 of 1" in md  # -1.0 is not below -1

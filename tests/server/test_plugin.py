@@ -259,7 +259,7 @@ def test_pbkv_time_in_the_plugin_keeps_the_front_of_sglangs_waiting_queue(checkp
 
     orders = {}
     for policy in ("pbkv_time", "pbkv"):
-        serving = Serving(policy, {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+        serving = Serving(policy, {"checkpoint": checkpoint, "predictor_timeout_s": 0, "shadow_block_tokens": 4})
         clock = iter(range(100))
         serving.runtime.clock = lambda: float(next(clock))
         for workflow, first in (("A", 100), ("B", 200), ("C", 300)):
@@ -273,6 +273,8 @@ def test_pbkv_time_in_the_plugin_keeps_the_front_of_sglangs_waiting_queue(checkp
             assert set(serving.runtime.policy.queued_path) == {"A", "B"}
             assert set(serving.runtime.policy.queued_path["A"]) == serving.paths["A"]
             assert serving.runtime.stats["calls_queued"] == 2
+            judge = serving.runtime.policy.judge  # outcome trust (the default): its shadows hear of the queue too
+            assert set(judge.queued_keys) == {"A", "B"} and all(judge.queued_keys.values())
         orders[policy] = serving.eviction_order()
     assert orders == {"pbkv_time": ["C", "B", "A"], "pbkv": ["A", "B", "C"]}
 
@@ -317,8 +319,9 @@ def test_continuum_pins_a_programs_cache_through_its_tool_call_in_sglangs_cache(
         assert serving.eviction_order() == order
 
 
-def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follows(checkpoint):
-    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0, "outcome_sample": 1.0,
+@pytest.mark.parametrize("policy", ["pbkv", "pbkv_time"])
+def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follows(checkpoint, policy):
+    serving = Serving(policy, {"checkpoint": checkpoint, "predictor_timeout_s": 0, "outcome_sample": 1.0,
                                "shadow_block_tokens": 4})
     assert serving.runtime.policy.trust == "outcome"  # the default
     serving.serve(prompt(10), [1, 2], tag("W", "a"))  # 8 prompt tokens: 2 blocks; with the output, 3
@@ -331,11 +334,11 @@ def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follo
     assert sorted(judge.lru_shadow.held) == sorted(judge.score_shadow.held) and len(judge.entries) == 4
     assert not judge.locked  # both calls finished: nothing of theirs is locked
     trust = serving.runtime.snapshot()["trust"]
-    assert trust["following"] == "pbkv" and trust["trust_switches"] == 0 and trust["shadow_sampled_calls"] == 2
+    assert trust["following"] == policy and trust["trust_switches"] == 0 and trust["shadow_sampled_calls"] == 2
     assert trust["shadow_hit_tokens_pbkv"] == trust["shadow_hit_tokens_lae"] == 8
     assert judge.score_shadow.reserved == judge.lru_shadow.reserved == 0  # the real cache had what they had
     assert not judge.host_tier  # no HiCache controller on this cache
-    assert serving.runtime.stats["calls_following_pbkv"] == 2 and serving.runtime.snapshot()["trusted"] is True
+    assert serving.runtime.stats[f"calls_following_{policy}"] == 2 and serving.runtime.snapshot()["trusted"] is True
 
 
 def test_lifecycle_lru_evicts_retired_then_lru():

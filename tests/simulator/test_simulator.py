@@ -545,18 +545,19 @@ def shared_prefix_workload(n, rereads, max_coder_calls=8, shared=4000, task=200,
     return workflows
 
 
-def trust_runs(workflows, gpu_tokens):
+def trust_runs(workflows, gpu_tokens, policy):
     names = vocabulary(["planner", "coder"])
     config = SimConfig(gpu_tokens=gpu_tokens, concurrency=8, hicache_ratio=0)
     runs = {"lae": simulate(workflows, config, H100, bound=False, policy="pbkv_lae")}
     for trust in ("always", "accuracy", "outcome"):
-        runs[trust] = simulate(workflows, config, H100, bound=False, policy="pbkv", policy_options={"trust": trust},
+        runs[trust] = simulate(workflows, config, H100, bound=False, policy=policy, policy_options={"trust": trust},
                                predictions=PerfectSource(names, 3))
     return runs
 
 
-def test_outcome_trust_falls_back_where_right_predictions_keep_the_wrong_cache():
-    runs = trust_runs(shared_prefix_workload(200, rereads=False), 60_000)
+@pytest.mark.parametrize("policy", ["pbkv", "pbkv_time"])
+def test_outcome_trust_falls_back_where_right_predictions_keep_the_wrong_cache(policy):
+    runs = trust_runs(shared_prefix_workload(200, rereads=False), 60_000, policy)
     always, accuracy, outcome, lae = runs["always"]["hit_rate"], runs["accuracy"], runs["outcome"], runs["lae"]["hit_rate"]
     assert always < lae - 0.05  # the score order loses although every prediction is right ...
     assert accuracy["prediction_quality"] == 1.0 and accuracy["trusted_at_end"]  # ... so accuracy keeps it
@@ -564,6 +565,7 @@ def test_outcome_trust_falls_back_where_right_predictions_keep_the_wrong_cache()
     assert outcome["shadow_hit_rate_lae"] > outcome["shadow_hit_rate_pbkv"] + 0.05
     assert outcome["hit_rate"] > always + 0.03
     assert outcome["hit_rate"] > lae - 0.01  # the fallback comes early: within a point of lifecycle-aware LRU
+    assert outcome["shadow_hit_rate_pbkv"] == pytest.approx(always, abs=0.01)  # the shadow judged its own order
 
 
 def test_with_a_host_tier_the_outcome_shadows_see_the_hit_rates_the_real_caches_get():
@@ -582,8 +584,9 @@ def test_with_a_host_tier_the_outcome_shadows_see_the_hit_rates_the_real_caches_
     assert abs(outcome["shadow_hit_rate_lae"] - lae["hit_rate"]) < 0.01
 
 
-def test_outcome_trust_keeps_the_score_where_it_wins():
-    runs = trust_runs(shared_prefix_workload(200, rereads=True), 40_000)
+@pytest.mark.parametrize("policy", ["pbkv", "pbkv_time"])
+def test_outcome_trust_keeps_the_score_where_it_wins(policy):
+    runs = trust_runs(shared_prefix_workload(200, rereads=True), 40_000, policy)
     always, outcome, lae = runs["always"]["hit_rate"], runs["outcome"], runs["lae"]["hit_rate"]
     assert always > lae + 0.01
     assert outcome["trusted_at_end"] and outcome["trust_switches"] == 0 and outcome["hit_rate"] == always
