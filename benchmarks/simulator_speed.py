@@ -42,20 +42,23 @@ from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.cache.workload import SimWorkflow
 from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics
 
+JUDGED = ("pbkv", "pbkv_time")  # the policies with trust modes, each replayed under every mode
 H100 = CostModel("qwen3-14b-h100", params=14.8e9, layers=40, q_heads=40, kv_heads=8, head_dim=128, dtype_bytes=2,
                  peak_flops=989e12, mem_bandwidth=3.35e12, pcie_bandwidth=64e9)
 
 
 def time_trust(sim: Simulator) -> list[float]:
-    """Wrap each replica's trust judge (pbkv's, cache/trust.py) to sum the seconds spent in it; the
+    """Wrap each replica's trust judge (pbkv's or pbkv_time's, cache/trust.py) to sum the seconds spent in it; the
     returned one-element list fills as the replay runs."""
     total = [0.0]
     for server in sim.servers:
         judge = getattr(server.policy, "judge", None)
         if judge is None:
             continue
-        for name in ("observe_call", "observe_insert"):
-            method = getattr(judge, name)
+        for name in ("observe_call", "observe_insert", "observe_queued"):
+            method = getattr(judge, name, None)
+            if method is None:
+                continue
 
             def timed(*args, _method=method, **kwargs):
                 started = time.perf_counter()
@@ -90,10 +93,9 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             "kvflow_ideal": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "aggressive"},
             "kvflow": {"predictions": AgentStepGraph.from_traces(sequences, 3), "prefetch": "kvflow"},
             "lru_prefetch": {"prefetch": "last_call"}, "continuum": {},
-            **{f"pbkv [{trust}]": {"predictions": PerfectSource(names, 3), "policy_options": {"trust": trust}}
-               for trust in TRUST_MODES},
+            **{f"{policy} [{trust}]": {"predictions": PerfectSource(names, 3), "policy_options": {"trust": trust}}
+               for policy in JUDGED for trust in TRUST_MODES},
             "pbkv+conservative": {"predictions": PerfectSource(names, 3), "prefetch": "conservative"},
-            "pbkv_time": {"predictions": PerfectSource(names, 3)},
             "oracle": {"predictions": PerfectSource(names, 3)}}
     if checkpoint:
         runs.update(checkpoint_runs(checkpoint, names))
@@ -108,9 +110,9 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
         if routing == "pbkv" and "predictions" not in kwargs:
             kwargs = {**kwargs, "predictions": PerfectSource(names, 3)}
         policy = label.split("+")[0].split(" ")[0].split("/")[0]
-        # pbkv's trust modes are compared by wall time: the best of `trust_repeats` replays each
+        # the trust modes are compared by wall time: the best of `trust_repeats` replays each
         best = None
-        for _ in range(trust_repeats if label.startswith("pbkv [") else 1):
+        for _ in range(trust_repeats if " [" in label else 1):
             fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
             started = time.perf_counter()
             sim = Simulator(fresh, config, H100, policy=policy, **kwargs)
@@ -131,13 +133,14 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
                          "bound_hit_rate": bound["bound_hit_rate"], "bound_s": bound_wall,
                          "bound_intervals": bound["bound_intervals"], "trust_us_per_call": trust_s / calls * 1e6})
     by = {m["policy"]: m for m in measured}
-    always = by.get("pbkv [always]")
-    for trust in TRUST_MODES:
-        m = by.get(f"pbkv [{trust}]")
-        if m and always and trust != "always":
-            m["slowdown_vs_always"] = m["wall_s"] / always["wall_s"] - 1
-            print(f"pbkv trust={trust}: {m['trust_us_per_call']:.1f} us per call in its judge, replay "
-                  f"{m['slowdown_vs_always']:+.1%} against trust=always (best of {trust_repeats})")
+    for policy in JUDGED:
+        always = by.get(f"{policy} [always]")
+        for trust in TRUST_MODES:
+            m = by.get(f"{policy} [{trust}]")
+            if m and always and trust != "always":
+                m["slowdown_vs_always"] = m["wall_s"] / always["wall_s"] - 1
+                print(f"{policy} trust={trust}: {m['trust_us_per_call']:.1f} us per call in its judge, replay "
+                      f"{m['slowdown_vs_always']:+.1%} against trust=always (best of {trust_repeats})")
     return {"workload": workload, "workflows": n, "calls": calls, "gpu_tokens": gpu_tokens,
             "concurrency": concurrency, "replicas": replicas, "routing": routing, "policies": measured}
 
@@ -302,11 +305,13 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: 
         by = {m["policy"]: m for m in speed["policies"]}
         figures += [{"name": f"simulated calls/s, {name} ({speed['workload']}, {speed['calls']:,} calls)",
                      "value": f"{m['calls_per_s']:,.0f}"} for name, m in by.items()
-                    if name in ("lru", "pbkv [outcome]", "kvflow", "kvflow_ideal") or name.startswith("pbkv/")]
-        figures += [{"name": f"pbkv trust={trust}: its judge per call, and the replay against trust=always",
-                     "value": f"{by[f'pbkv [{trust}]']['trust_us_per_call']:.1f} us, "
-                              f"{by[f'pbkv [{trust}]']['slowdown_vs_always']:+.1%}"}
-                    for trust in TRUST_MODES if "slowdown_vs_always" in by.get(f"pbkv [{trust}]", {})]
+                    if name in ("lru", "pbkv [outcome]", "pbkv_time [outcome]", "kvflow", "kvflow_ideal")
+                    or name.startswith("pbkv/")]
+        figures += [{"name": f"{policy} trust={trust}: its judge per call, and the replay against trust=always",
+                     "value": f"{by[f'{policy} [{trust}]']['trust_us_per_call']:.1f} us, "
+                              f"{by[f'{policy} [{trust}]']['slowdown_vs_always']:+.1%}"}
+                    for policy in JUDGED for trust in TRUST_MODES
+                    if "slowdown_vs_always" in by.get(f"{policy} [{trust}]", {})]
         slowest = max(speed["policies"], key=lambda m: m["bound_s"])
         figures.append({"name": f"upper bound's LP solve ({slowest['bound_intervals']:,} intervals, HiGHS)",
                         "value": f"{slowest['bound_s']:.2f} s (largest of the policies' runs)"})

@@ -1,6 +1,7 @@
 """When PBKV follows its own score order and when it falls back to lifecycle-aware LRU: the one
-implementation of its trust modes, used by the PBKV policy class (policies.py) in the simulator
-and in the SGLang plugin.
+implementation of its trust modes, used by the pbkv and pbkv_time policy classes (policies.py
+_JudgedPolicy) in the simulator and in the SGLang plugin. pbkv_time's outcome judge,
+`TimeOutcomeTrust`, ranks its score shadow by pbkv_time's own value (below).
 
     always     the paper's policy: the score order, whatever happens.
     accuracy   `AccuracyTrust`: follow the score while the predictions are right often enough (the

@@ -210,19 +210,28 @@ def evaluate_page(step: dict, runs: Path, record: dict, pages: Path) -> tuple[st
     return page, first, rows
 
 
-def server_report(step: dict, runs: Path) -> str:
-    return (runs / "server" / step["name"] / "report.md").read_text()
+def server_reports(step: dict, runs: Path) -> list[str]:
+    """The report.md of each of a server step's commands (in its --out folder), in the plan's order;
+    the first is the one the index shows."""
+    commands = step["command"] if isinstance(step["command"], list) else [step["command"]]
+    outs = [m.group(1) for c in commands if (m := re.search(r"--out RUNS/(\S+)", c))]
+    return [(runs / out / "report.md").read_text() for out in outs or [f"server/{step['name']}"]]
 
 
 def comparison_of(report_md: str) -> str:
-    """The real-against-simulated table and its checks from a validate_sim report.md (it comes last),
-    the checks on one line after a blank one, so they read as text."""
+    """The first real-against-simulated table and its checks from a validate_sim report.md (or a page
+    of them), the checks on one line after a blank one, so they read as text."""
     lines = report_md.rstrip().splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("policy |")), None)
     if start is None:
         return report_md.strip()
-    table = [line for line in lines[start:] if " | " in line]
-    checks = [line for line in lines[start + len(table):] if line.strip()]
+    end = next((i for i in range(start, len(lines)) if " | " not in lines[i]), len(lines))
+    table = lines[start:end]
+    checks = []  # the lines after the table, up to the next blank one (a page may hold more reports)
+    for line in lines[end:]:
+        if not line.strip():
+            break
+        checks.append(line)
     return "\n".join(table) + ("\n\nChecks: " + "; ".join(checks) + "." if checks else "")
 
 
@@ -303,7 +312,7 @@ def index_page(by_kind: dict, runs: Path, record: dict, pages: dict, all_rows: l
                 table = comparison_of(pages[step["name"]])
             else:
                 try:
-                    table = comparison_of(server_report(step, runs))
+                    table = comparison_of(server_reports(step, runs)[0])
                 except FileNotFoundError:
                     table = "Not run yet."
             parts += [f"### {step['title']}", table, f"Details: [{step['name']}](results/{step['name']}.md)"]
@@ -462,7 +471,7 @@ def render(steps: list[dict], runs: Path, out: Path) -> Path:
             all_rows += rows
     for step in by_kind["server"]:
         try:
-            body = server_report(step, runs)
+            body = "\n\n".join(server_reports(step, runs))
         except FileNotFoundError:
             page = keep(step["name"])
             if page is not None:

@@ -50,7 +50,7 @@ CPU_COST_MODEL = "cpu-tiny-llama"
 def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = SimConfig.hicache_ratio,
              concurrency: int = 2, tool_time_scale: float = 0.1, checkpoint: str | None = None, log_dir: str | Path | None = None,
              health_timeout_s: float = 240.0, extra_launch: list[str] | None = None, replicas: int = 1,
-             routing: str = "none") -> dict:
+             routing: str = "none", partial_eviction: bool = False) -> dict:
     """Start `launch --cpu` with `policy` (with replicas > 1: a LocalCluster of that many servers,
     gpu_tokens split evenly, behind sglang-router with `routing`), replay `workflows`
     (bench.replay_workflows) with the bench client, stop everything. Returns the bench row, the
@@ -64,7 +64,7 @@ def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 
     if checkpoint and policy in PLUGIN_POLICIES:
         args += ["--checkpoint", str(checkpoint)]
     if policy in PLUGIN_POLICIES:  # a 2-core CPU is slow: let a predictor round finish (docs/serving.md)
-        args += ["--policy-config", json.dumps({"predictor_timeout_s": 0})]
+        args += ["--policy-config", json.dumps({"predictor_timeout_s": 0, "partial_eviction": partial_eviction})]
     args += extra_launch or []
     if replicas > 1:
         log = Path(log_dir) / f"cluster-{routing}-{policy}" if log_dir else None
@@ -126,10 +126,10 @@ def replay_and_collect(url: str, workers: list[str], workflows, policy: str, *, 
 
 
 def sim_config(gpu_tokens: int, hicache_ratio: float, concurrency: int, page_size: int = 1, replicas: int = 1,
-               routing: str = "none"):
+               routing: str = "none", partial_eviction: bool = False):
     return SimConfig(gpu_tokens=gpu_tokens, hicache_ratio=hicache_ratio, page_size=page_size,
                      concurrency=concurrency, max_prefill_tokens=SGLANG_CHUNKED_PREFILL, replicas=replicas,
-                     routing=routing if replicas > 1 else "none")
+                     routing=routing if replicas > 1 else "none", partial_eviction=partial_eviction)
 
 
 def cpu_cost_model():
@@ -272,6 +272,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing", default="sticky",
                    help="with --replicas > 1, comma-separated routings: round_robin, cache_aware, sticky, pbkv "
                         "(each with each policy; the simulator's sim.routing of the same name)")
+    p.add_argument("--partial-eviction", action="store_true",
+                   help="the plugin's policies evict only a victim's tail (its partial_eviction), and so does "
+                        "their simulation (sim.partial_eviction); SGLang's own (lru, lfu) evict whole nodes on both sides")
     p.add_argument("--out", required=True, help="summary.json, report.md, per-policy calls.jsonl and server logs")
     return p.parse_args(argv)
 
@@ -366,9 +369,10 @@ def main(argv=None) -> int:
         earlier = {r["policy"] if args.replicas == 1 else f"{r['routing']}+{r['policy']}": r
                    for r in json.loads(Path(args.real_from).read_text())["real"]}
     for routing in routings:
-        config = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency, replicas=args.replicas,
-                            routing=routing)
         for policy in policies:
+            partial = args.partial_eviction and policy in PLUGIN_POLICIES
+            config = sim_config(args.gpu_tokens, args.hicache_ratio, args.concurrency, replicas=args.replicas,
+                                routing=routing, partial_eviction=partial)
             name = policy if args.replicas == 1 else f"{routing}+{policy}"
             sim[name] = sim_run(rows, policy, config, cost, predictor, args.tool_time_scale)
             if earlier is not None:  # --real-from: the real rows of an earlier run, re-simulated
@@ -381,7 +385,8 @@ def main(argv=None) -> int:
                 continue
             run = real_run(workflows, policy, gpu_tokens=args.gpu_tokens, hicache_ratio=args.hicache_ratio,
                            concurrency=args.concurrency, tool_time_scale=args.tool_time_scale, checkpoint=checkpoint,
-                           log_dir=out, health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing)
+                           log_dir=out, health_timeout_s=args.health_timeout, replicas=args.replicas, routing=routing,
+                           partial_eviction=partial)
             real[name] = run["row"]
             save_calls(out / f"calls-{name}.jsonl", run["results"])
             where = ""
@@ -389,6 +394,9 @@ def main(argv=None) -> int:
                 where = (f"; per replica real calls {[r['requests'] for r in run['replicas']]} (with end signals), "
                          f"device hits {[round(r['hit_rate'], 3) for r in run['replicas']]}; simulated calls "
                          f"{sim[name]['replica_calls']}, migrations {sim[name]['migrations']}")
+            if partial:  # the plugin's count of victims split (none would mean the walk never saw a shortfall)
+                counters = real[name].get("plugin_counters") or {}
+                where += f"; victims split {counters.get('partial_evictions', 0)}"
             print(f"{name}: real device hits {real[name]['hit_rate']:.1%} (ready in {run['ready_s']:.0f} s, "
                   f"replay {run['replay_s']:.0f} s), simulated {sim[name]['hit_rate']:.1%}{where}", flush=True)
     table = compare(real, sim)
@@ -397,6 +405,8 @@ def main(argv=None) -> int:
     replayed = (f"{len(workflows)} {args.split} workflows ({sum(len(wf) for wf in workflows)} calls), "
                 f"{args.gpu_tokens:,} device tokens, host pool {args.hicache_ratio:g}x, concurrency {args.concurrency}, "
                 f"tool times x{args.tool_time_scale:g}; "
+                + ("the plugin's policies evict a victim's tail only (partial eviction, on both sides); "
+                   if args.partial_eviction else "")
                 + ("a fresh server per policy." if args.replicas == 1 else
                    f"{args.replicas} replicas (the device tokens in total) behind sglang-router, a fresh cluster "
                    f"per routing and policy."))

@@ -25,6 +25,9 @@ What it registers:
                                                `hidden_state`: a tagged request asks SGLang's
                                                forward for its last prefill token's hidden state
                                                (Req.return_hidden_states = "last", as a client could)
+  * AROUND UnifiedRadixCache._evict_components: with `partial_eviction`, an allocation-driven
+    walk's shortfall (the allocator's target less its available size, read after every victim)
+    reaches the tree core, which evicts only the tail of a victim that holds more than it;
   * AROUND SchedulerBatchResultProcessor._append_prefill_hidden_states: SGLang has copied that
     hidden state to the host; the runtime takes it (timed), the request's flag is cleared again (no
     capture during its decode, nothing in its response unless its tag asks: meta_info.pbkv_hidden)
@@ -87,6 +90,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.get_internal_state", after_internal_state, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", after_request_queued, HookType.AFTER)
     HookRegistry.register(f"{_RESULTS}._append_prefill_hidden_states", around_prefill_hidden, HookType.AROUND)
+    HookRegistry.register(f"{_CACHE}._evict_components", around_evict_components, HookType.AROUND)
 
 
 # -------------------------------------------------------------------- hooks
@@ -169,6 +173,34 @@ def after_internal_state(output, scheduler, *args, **kwargs):
         config = getattr(scheduler, "model_config", None)  # what collected traces record of the model
         state["pbkv"]["model"] = {"path": getattr(getattr(scheduler, "server_args", None), "model_path", None),
                                   "hidden_size": getattr(config, "hidden_size", None)}
+
+
+def around_evict_components(original, cache, *args, **kwargs):
+    """An eviction walk: where the plugin evicts partially and SGLang's allocator drives the walk
+    toward an available-size target (evict_for_alloc), the tree core reads the target's shortfall
+    while the walk runs (strategies.WorkflowTreeCore.shortfall)."""
+    core = None
+    try:
+        runtime = _runtime(cache)
+        targets = kwargs.get("available_size_targets", args[2] if len(args) > 2 else None)
+        if runtime is not None and runtime.config.partial_eviction and targets:
+            from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+            target = targets.get(ComponentType.FULL)
+            if target is not None:
+                component, size = target
+                core = cache.tree_core
+                core.shortfall = lambda: size - cache._component_available_size(component)
+    except Exception:  # noqa: BLE001  (the walk runs as SGLang's, whole nodes)
+        HOOK_ERRORS["around_evict_components"] += 1
+        core = None
+        if HOOK_ERRORS["around_evict_components"] in (1, 10, 100):
+            log.exception("PBKV: reading the eviction target failed; this walk evicts whole nodes")
+    try:
+        return original(cache, *args, **kwargs)
+    finally:
+        if core is not None:
+            core.shortfall = None
 
 
 # -------------------------------------------------------------------- hidden states

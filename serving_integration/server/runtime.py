@@ -98,6 +98,10 @@ class PluginConfig(PbkvConfig, KvflowConfig, ContinuumConfig, OnlineBackoffConfi
     stats_path: Optional[str] = knob(None, "JSON file the counters are written to")
     stats_interval_s: float = knob(10.0, "seconds between writes of stats_path", at_least(0))
     prefill_tokens_per_s: float = knob(10000.0, "continuum: prefill speed its TTL's reload cost assumes", above(0))
+    partial_eviction: bool = knob(False, "evict only the tail of a victim node, the fewest whole pages that free the "
+                                  "tokens still needed (the rest stays, in the victim's place in the order), not "
+                                  "the whole node as SGLang 0.5.23 does (the simulator's sim.partial_eviction, "
+                                  "whose unit is a prompt unit)")
     shadow_block_tokens: int = knob(256, "pbkv trust=outcome: the shadow caches name a prompt's content in blocks "
                                     "of this many tokens (chained hashes of the token ids)", at_least(1))
 

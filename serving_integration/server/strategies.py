@@ -11,19 +11,25 @@ strategy's keyword arguments, see `PluginConfig`).
 PBKV's bookkeeping lives outside the tree nodes (a node split copies only the fields SGLang
 knows), keyed by node id. `WorkflowTreeCore` is SGLang's Python tree core (`UnifiedTreeCore`)
 plus three notifications: a split (the new prefix node inherits the old node's users), a node
-deletion (forget it) and a device eviction (KVFlow's parents inherit). The compiled Rust core
-accepts only built-in policy names, so the plugin selects this core whenever one of these
-policies is chosen (plugin.py).
+deletion (forget it) and a device eviction (KVFlow's parents inherit); and, with the plugin's
+`partial_eviction`, the victim's tail only: its eviction walk splits each victim so that the
+suffix it evicts holds the pages still needed, the prefix staying in the victim's place in the
+order. The compiled Rust core accepts only built-in policy names, so the plugin selects this core
+whenever one of these policies is chosen (plugin.py).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
 from serving_integration.server.runtime import WorkflowRuntime
+
+log = logging.getLogger(__name__)
 
 TREE_CORE_BACKEND = "pbkv_python"  # name under SGLang's register_tree_core_backend
 
@@ -101,7 +107,18 @@ def runtime_of(cache) -> WorkflowRuntime | None:
 
 
 class WorkflowTreeCore(UnifiedTreeCore):
-    """SGLang's Python tree core, telling the runtime about splits, deletions and evictions."""
+    """SGLang's Python tree core, telling the runtime about splits, deletions and evictions, and
+    evicting a victim's tail only where the plugin's `partial_eviction` asks.
+
+    Partial eviction needs the tokens still needed when the walk picks a victim. A count-driven
+    walk (`evict(EvictParams(num_tokens=n))`, cumulative reclaim quotas) has them: its quota less
+    the tokens evicted so far. An allocation-driven one (`evict_for_alloc`: SGLang's allocator asks
+    for a shortfall) runs with a quota of everything evictable and stops once the allocator's
+    available size reaches its target, so the cache tells the core that target's shortfall for
+    the walk (`shortfall`, set by the plugin's hook around `UnifiedRadixCache._evict_components`)."""
+
+    shortfall = None  # during an allocation-driven walk: () -> FULL tokens still needed
+    _walk_quota = 0  # the running walk's quota (evict_device_start)
 
     @property
     def runtime(self) -> WorkflowRuntime | None:
@@ -129,6 +146,41 @@ class WorkflowTreeCore(UnifiedTreeCore):
         super()._unregister_node(node)
         if self.runtime is not None:
             self.runtime.on_delete(node)
+
+    def evict_device_start(self, component_type, request_cnt):
+        self._walk_quota = request_cnt
+        super().evict_device_start(component_type, request_cnt)
+
+    def evict_device_next_node(self, component_type, tracker):
+        result = super().evict_device_next_node(component_type, tracker)
+        runtime = self.runtime
+        if result.node_id is not None and component_type == ComponentType.FULL and runtime is not None \
+                and runtime.config.partial_eviction:
+            try:
+                need = self.shortfall() if self.shortfall is not None else \
+                    self._walk_quota - tracker.get(component_type, 0)
+                self._keep_prefix(self._node_arena[result.node_id], need, result.cache_actions, runtime)
+            except Exception:  # noqa: BLE001  (never into SGLang: the victim goes whole)
+                runtime.stats.count("hook_errors")
+                log.exception("PBKV: splitting an eviction victim failed; it is evicted whole")
+        return result
+
+    def _keep_prefix(self, victim, need: int, cache_actions: list, runtime) -> None:
+        """Split `victim` so that it keeps only its tail of the fewest whole pages holding `need`
+        tokens; the new prefix node stays, with the victim's access time (its place in the order),
+        and the walk evicts the tail (the victim's id). A victim that is all needed stays whole."""
+        page = self.page_size
+        tail = -(-need // page) * page
+        keep = len(victim.key) - tail
+        if need <= 0 or keep <= 0:
+            return
+        last_access = victim.last_access_time
+        prefix, action = self._split_node(victim.key, victim, keep)
+        prefix.last_access_time = last_access
+        if action is not None:
+            cache_actions.append(action)
+        runtime.stats.count("partial_evictions")
+        runtime.stats.count("partial_eviction_kept_tokens", keep)
 
     def evict_device_leaf(self, node_id, is_write_back):
         node = self._node_arena.get(node_id)

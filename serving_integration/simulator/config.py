@@ -58,8 +58,8 @@ class SimConfig:
                            "capped for shorter ones)", one_of(SCHEDULING))
     partial_eviction: bool = knob(False, "evict only the tail of a victim node, the fewest whole prompt units "
                                   "that free the tokens still needed (the rest stays, in the victim's place "
-                                  "in the order), not the whole node as SGLang 0.5.23 does; simulator only: "
-                                  "the plugin evicts as SGLang does")
+                                  "in the order), not the whole node as SGLang 0.5.23 does (the plugin's "
+                                  "partial_eviction does it in SGLang, by pages)")
     routing: str = knob("none", "the router's policy: none (one server), round_robin, cache_aware, sticky, pbkv",
                         one_of(lambda: _routers()))
     router: RouterConfig = knob(None, "each routing policy's options", factory=RouterConfig)

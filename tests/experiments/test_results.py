@@ -55,20 +55,24 @@ def test_a_plan_step_needs_commands(tmp_path):
 
 
 def test_a_server_step_inlines_its_report(tmp_path):
-    """kind: server (validate_sim on real servers): the page shows the run's report.md under its command."""
+    """kind: server (validate_sim on real servers): the page shows each command's report.md (from its
+    --out) under the commands; the index shows the first one's table and checks."""
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"steps": [
         {"name": "check", "kind": "server", "title": "Real against simulated", "about": "Ten workflows.",
-         "command": "-m benchmarks.predictor_table --help"}]}))  # a plan runs project commands only
+         "command": ["-m benchmarks.predictor_table --help --out RUNS/server/check",  # a plan runs project commands only
+                     "-m benchmarks.predictor_table --help --out RUNS/server/check_partial"]}]}))
     runs = tmp_path / "runs"
-    (runs / "server" / "check").mkdir(parents=True)
-    (runs / "server" / "check" / "report.md").write_text("replayed\n\npolicy | hit real / sim\n--- | ---\n"
-                                                         "lru | 16.0% / 14.7%\norder by device hit rate: lru\n")
+    for name, hits in (("check", "16.0% / 14.7%"), ("check_partial", "19.0% / 18.1%")):
+        (runs / "server" / name).mkdir(parents=True)
+        (runs / "server" / name / "report.md").write_text(f"replayed {name}\n\npolicy | hit real / sim\n--- | ---\n"
+                                                          f"lru | {hits}\norder by device hit rate: lru\n")
     out = tmp_path / "results.md"
     assert results.main([f"plan={plan}", f"runs={runs}", f"out={out}"]) == 0
     page, detail = out.read_text(), (tmp_path / "results" / "check.md").read_text()
     assert "### Real against simulated" in page and "lru | 16.0% / 14.7%" in page and "(results/check.md)" in page
-    assert detail.index("python -m benchmarks.predictor_table") < detail.index("lru | 16.0%")  # the command comes before its numbers
+    assert "19.0%" not in page and "Checks: order by device hit rate: lru." in page
+    assert detail.index("python -m benchmarks.predictor_table") < detail.index("lru | 16.0%") < detail.index("19.0%")
 
 
 def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):

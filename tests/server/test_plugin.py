@@ -893,3 +893,27 @@ def test_lru_prefetch_loads_the_longest_waiting_workflows_last_nodes_into_free_a
     assert runtime.priority(live_leaf) == runtime.policy.priority(live_leaf)  # LRU again outside the load
     cache.free = 50
     assert prefetcher.prefetch_once() == 5 and cache.loaded == [2, 1, 3]  # then W2's; never W3's
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_partial_eviction_in_sglang_frees_a_victims_tail_for_counted_and_allocation_driven_walks(partial):
+    """With `partial_eviction` the tree core splits the victim SGLang's walk picks and evicts only the
+    tokens still needed; the prefix stays matchable. Both of SGLang's walks: count-driven
+    (evict(EvictParams)) and allocation-driven (evict_for_alloc: the allocator's shortfall, which
+    the walk reads after each victim, with a quota of everything evictable)."""
+    serving = Serving("pbkv_lae", {"partial_eviction": partial})
+    serving.serve(prompt(100, 12), [1, 2], tag("A", "a"), label="A")  # one 14-token node
+    cache, runtime = serving.cache, serving.runtime
+    assert cache.evict(EvictParams(num_tokens=5)).num_tokens_evicted == (5 if partial else 14)
+    again = Req(rid="again", origin_input_text="", origin_input_ids=array("q", prompt(100, 12) + [1, 2]),
+                sampling_params=SamplingParams(max_new_tokens=1))
+    assert match_kv_cache(again, cache).device_prefix_len == (9 if partial else 0)
+    assert runtime.stats["partial_evictions"] == (1 if partial else 0)
+    if not partial:
+        return
+    # allocation-driven: fill the pool, then ask for 3 tokens more than are free
+    serving.serve(prompt(300, 200), [1], tag("B", "a"), label="B")
+    free = serving.allocator.available_size()
+    evicted = cache.evict_for_alloc(EvictParams(num_tokens=3)).num_tokens_evicted
+    assert evicted == 3 and serving.allocator.available_size() == free + 3
+    assert runtime.stats["partial_evictions"] == 2 and not cache.tree_core.shortfall  # cleared after the walk
