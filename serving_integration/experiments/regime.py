@@ -38,6 +38,7 @@ PAPER_SPEEDUP = 1.85  # the PBKV paper's mean workflow latency over LRU
 ROLES = {
     "lru": ("lru", ("none",), ("none",)),
     "pbkv": ("pbkv", ("conservative", "none", "aggressive"), ("outcome", "accuracy", "always")),
+    "time": ("pbkv_time", ("conservative", "none", "aggressive"), ("outcome", "accuracy", "always")),
     "perfect": ("pbkv_perfect", ("conservative", "none", "aggressive"), ("always",)),
     "oracle": ("oracle", ("conservative", "none", "aggressive"), ("none",)),
     "kvflow": ("kvflow", ("kvflow", "none"), ("none",)),
@@ -136,11 +137,11 @@ def measures(found: dict) -> dict[tuple, dict]:
         lru = cell["lru"]
         out[key] = {
             "cell": cell, "pbkv": speedup(cell, "pbkv"), "perfect": speedup(cell, "perfect"),
-            "oracle": speedup(cell, "oracle"), "kvflow": speedup(cell, "kvflow"),
-            "gap": gap_closed_recompute(cell), "floor": floor, "floor_kind": floor_kind,
-            "ceiling": latency_ceiling(cell, floor),
-            "fastest": max((v for v in (speedup(cell, r) for r in ("pbkv", "perfect", "oracle", "kvflow")) if number(v)),
-                           default=None),
+            "oracle": speedup(cell, "oracle"), "kvflow": speedup(cell, "kvflow"), "time": speedup(cell, "time"),
+            "gap": gap_closed_recompute(cell), "time_gap": gap_closed_recompute(cell, "time"),
+            "floor": floor, "floor_kind": floor_kind, "ceiling": latency_ceiling(cell, floor),
+            "fastest": max((v for v in (speedup(cell, r) for r in ("pbkv", "perfect", "oracle", "kvflow", "time"))
+                            if number(v)), default=None),
             "ceiling_unbounded": latency_ceiling(cell, 1 - share) if number(share) else None,
             "ceiling_no_queue": latency_ceiling(cell, 1 - share if number(share) else floor, queue=False),
             "fixed_share": (time_part(lru, "tool") + time_part(lru, "decode") + time_part(lru, "queue"))
@@ -158,8 +159,9 @@ def where(key: tuple) -> str:
 
 
 def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
-    """Three figures (pbkv's speed-up, perfect prediction's, pbkv's gap closed on recompute), each a
-    grid of workloads (rows) x host tiers (columns) of live workflows x GPU fraction heatmaps."""
+    """Figures of pbkv's speed-up, perfect prediction's, pbkv's gap closed on recompute, and pbkv_time's
+    speed-up and gap closed (where the runs have it), each a grid of workloads (rows) x host tiers
+    (columns) of live workflows x GPU fraction heatmaps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,11 +180,15 @@ def heatmaps(numbers: dict[tuple, dict], out: Path) -> list[tuple[str, str]]:
     made = []
     for field, title, name in (("pbkv", "PBKV's speed-up over LRU (mean workflow latency)", "regime_pbkv_speedup.png"),
                                ("perfect", "perfect prediction's speed-up over LRU", "regime_perfect_speedup.png"),
-                               ("gap", "PBKV's gap closed on recomputed tokens", "regime_gap_recompute.png")):
+                               ("gap", "PBKV's gap closed on recomputed tokens", "regime_gap_recompute.png"),
+                               ("time", "pbkv_time's speed-up over LRU (mean workflow latency)",
+                                "regime_pbkv_time_speedup.png"),
+                               ("time_gap", "pbkv_time's gap closed on recomputed tokens",
+                                "regime_pbkv_time_gap_recompute.png")):
         values = [numbers[k][field] for k in keys if number(numbers[k][field])]
         if not values:
             continue
-        if field == "gap":
+        if field in ("gap", "time_gap"):
             # a setting whose LRU sits near the bound turns a small loss into a large negative share:
             # the colours stop at -100% (the cell still prints its number)
             norm = Normalize(vmin=max(-1.0, min(0.0, min(values))), vmax=max(1.0, max(values)), clip=True)
@@ -231,10 +237,12 @@ def table(numbers: dict[tuple, dict]) -> str:
                      fmt(lru["hit_rate"], "{:.1%}"), fmt(lru.get("recompute_rate"), "{:.1%}"),
                      fmt(lru["mean_workflow_latency_s"]), fmt(n["pbkv"], "{:.3f}"), fmt(n["perfect"], "{:.3f}"),
                      fmt(n["oracle"], "{:.3f}"), fmt(n["kvflow"], "{:.3f}"), fmt(n["gap"], "{:.0%}"),
+                     fmt(n["time"], "{:.3f}"), fmt(n["time_gap"], "{:.0%}"),
                      fmt(n["ceiling"], "{:.2f}") + (" (beaten)" if beaten(n) else "")])
     return md_table(["workload", "split", "host tier", "live", "GPU / working set", "GPU tokens", "LRU GPU hit",
                      "LRU recomputed", "LRU latency (s)", "pbkv x LRU", "perfect x LRU", "oracle x LRU",
-                     "kvflow x LRU", "pbkv gap closed (recompute)", "latency ceiling (estimate)"], body)
+                     "kvflow x LRU", "pbkv gap closed (recompute)", "pbkv_time x LRU",
+                     "pbkv_time gap closed (recompute)", "latency ceiling (estimate)"], body)
 
 
 def workload_sentence(workload: str, entries: dict[tuple, dict]) -> str:
@@ -265,6 +273,15 @@ def workload_sentence(workload: str, entries: dict[tuple, dict]) -> str:
     gaps = [n["gap"] for n in scored.values() if number(n["gap"])]
     if gaps:
         text += f"; pbkv closes a median {np.median(gaps):.0%} of the gap on recomputed tokens (best {max(gaps):.0%})"
+    timed = {k: n for k, n in entries.items() if number(n["time"])}
+    if timed:
+        best = max(timed, key=lambda k: timed[k]["time"])
+        text += (f"; pbkv_time is at least {GAIN:.2f}x faster than LRU in "
+                 f"{sum(n['time'] >= GAIN for n in timed.values())} of {len(timed)} settings, its best "
+                 f"{timed[best]['time']:.3f}x ({where(best)})")
+        time_gaps = [n["time_gap"] for n in timed.values() if number(n["time_gap"])]
+        if time_gaps:
+            text += f", and closes a median {np.median(time_gaps):.0%} (best {max(time_gaps):.0%})"
     return text + "."
 
 
@@ -346,8 +363,8 @@ def regime_section(rows, out: Path) -> str:
     floors = sorted({n["floor_kind"] for n in numbers.values()})
     parts = [f"One row per setting (workload, host tier, live workflows, GPU memory as a fraction of the live "
              f"working set: concurrency x the mean largest prompt of a workflow). Speed-up: LRU's mean workflow "
-             f"latency over the policy's (pbkv under outcome trust, and pbkv, perfect and oracle with "
-             f"conservative prefetch, where the runs have them); a gain is {GAIN:.2f}x or more. Gap closed on "
+             f"latency over the policy's (pbkv and pbkv_time under outcome trust, and pbkv, pbkv_time, perfect and "
+             f"oracle with conservative prefetch, where the runs have them); a gain is {GAIN:.2f}x or more. Gap closed on "
              f"recompute is measured against the setting's floor on recomputed tokens ({'; '.join(floors)}). The "
              "latency ceiling (an estimate: the table marks a setting where a row beats it) is LRU's latency over its tool + decode + queueing time plus the prefill the floor leaves "
              "(serving_integration/experiments/regime.py).",

@@ -117,6 +117,19 @@ def test_the_regime_section_renders_from_rows(tmp_path):
     assert md.count("\n| hover |") == 4  # one table line per cell
 
 
+def test_pbkv_time_gets_its_own_speed_up_and_gap_closed(tmp_path):
+    rows = hand_made_rows() + [row("hover", "pbkv_time", host, 32, frac, 8.0 if frac < 1 and not host else 10.0,
+                                   0.56 if frac < 1 and not host else 0.8, prefetch="conservative", trust="outcome")
+                               for host in (0.0, 2.0) for frac in (0.25, 1.0)]
+    md = regime.regime_section(rows, tmp_path)
+    # (0.8 - 0.56) / (0.8 - 0.5) = 80% at the tight cell, 0% elsewhere: median 0%
+    assert "pbkv_time is at least 1.02x faster than LRU in 1 of 4 settings, its best 1.250x (no host tier, 32 live, " \
+           "0.25x the working set), and closes a median 0% (best 80%)" in md
+    assert "| 1.250 | 80% |" in md
+    for name in ("regime_pbkv_time_speedup.png", "regime_pbkv_time_gap_recompute.png"):
+        assert (tmp_path / name).stat().st_size > 0 and f"]({name})" in md
+
+
 def test_a_row_s_own_gap_closed_on_recompute_is_used_when_present(tmp_path):
     rows = hand_made_rows()
     for r in rows:
