@@ -65,6 +65,10 @@ class TrustConfig:
     outcome_slack: float = knob(0.02, "outcome: a full shadow evicts down to (1 - slack) x its capacity, so the "
                                 "next inserts need no ranking (the same for both shadows)", at_least(0), below(1))
     outcome_seed: int = knob(0, "outcome: seeds which workflows are sampled", at_least(0))
+    outcome_unit: str = knob("key", "outcome: what a shadow evicts at once: key (one content key, as partial "
+                             "eviction frees a victim's tail) or node (a leaf key with the ancestors that form one "
+                             "node with it in the server's tree, as SGLang's whole-node eviction does)",
+                             one_of(("key", "node")))
 
     def __post_init__(self):
         check(self)

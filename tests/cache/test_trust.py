@@ -250,3 +250,33 @@ def test_pbkv_time_judge_keeps_the_queued_calls_keys_until_the_call_finishes():
     trust.observe_insert("w3", ["Z"], [4], "a")  # the call finished: its queue term goes
     assert "w3" not in trust.queued_keys and entries["Z"].score == -math.inf
     assert trust.report()["following"] == "pbkv_time"
+
+
+def test_node_unit_shadows_evict_a_leaf_with_its_node_as_the_server_tree_does():
+    """outcome_unit=node: a victim leaf goes with the ancestors that form one node with it (each the
+    only held child of the one above, not the end of a held sequence), and a branch point stays;
+    key by key (the default) only the victim key goes."""
+    def run(unit):
+        trust, _ = judge(capacity=24, outcome_unit=unit)
+        run_call(trust, "w1", "c", ["S", "A", "B"], [4, 4, 4])  # one node S-A-B
+        run_call(trust, "w2", "b", ["S", "T"], [4, 4])  # S branches: S | A-B and S | T
+        run_call(trust, "w2", "b", ["S", "T", "U"], [4, 4, 4])  # T is a sequence's end: T | U
+        run_call(trust, "w1", "a", ["V"], [8])  # 28 tokens > 24: make room
+        return held(trust)[1]
+
+    # lifecycle-aware LRU's victim is the oldest key, the leaf B (a prefix is touched after what
+    # extends it); by node A goes with it (B is A's only child, A ends no sequence), not S (a branch)
+    assert run("key") == ["A", "S", "T", "U", "V"]
+    assert run("node") == ["S", "T", "U", "V"]
+
+
+def test_node_unit_keeps_a_branch_point_a_node_boundary_after_its_branch_goes():
+    """SGLang's nodes never merge: once S branched (S | A and S | T), S ends a node even after the
+    branch A is evicted, so evicting T later takes T alone, not S with it."""
+    trust, _ = judge(capacity=16, outcome_unit="node")
+    run_call(trust, "w1", "c", ["S", "A"], [4, 4])
+    run_call(trust, "w2", "b", ["S", "T"], [4, 4])
+    run_call(trust, "w1", "a", ["V"], [8])  # 20 > 16: the oldest leaf, A, goes
+    assert held(trust)[1] == ["S", "T", "V"]
+    run_call(trust, "w1", "a", ["W"], [4])  # 20 > 16 again: T goes, S (a boundary) stays
+    assert held(trust)[1] == ["S", "V", "W"]
