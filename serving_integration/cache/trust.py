@@ -355,7 +355,7 @@ class OutcomeTrust:
         self.slack = options.outcome_slack
         self.by_node = options.outcome_unit == "node"
         # outcome_unit=node: each key's parent (the key before it in a prompt; chained keys have one)
-        # and the keys that ended a held sequence (node boundaries in the server's tree)
+        # and the node boundaries of the server's tree: keys that ended a held sequence or branched
         self.parent: dict[Hashable, Hashable | None] = {}
         self.ends: dict[Hashable, None] = {}
         self.decay = 1.0 - 1.0 / options.outcome_window
