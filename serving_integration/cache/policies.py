@@ -58,7 +58,8 @@ from data.knobs import build
 from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
     PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import Folded, fold, step_weights
-from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, TrustMeter, log_sum_exp, make_trust  # noqa: F401
+from serving_integration.cache.trust import TrustMeter  # noqa: F401  (re-exported)
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, log_sum_exp, make_trust
 
 INF = math.inf
 
@@ -462,7 +463,8 @@ class EvictionPolicy:
         """A call finished (a tool call follows when more_calls); the nodes whose priority changed."""
         return []
 
-    def on_queued(self, workflow: str, agent: str, node_ids: Sequence[int], t: float, keys: Sequence = ()) -> list[int]:
+    def on_queued(self, workflow: str, agent: str, node_ids: Sequence[int], t: float,
+                  keys: Sequence = ()) -> list[int]:
         """A call of `agent` entered the admission queue at time t; `node_ids`: the cached path of its
         prompt, read without touching the tree; `keys`: its prompt's content keys (as observe_call's).
         The nodes whose priority changed."""

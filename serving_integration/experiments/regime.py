@@ -364,7 +364,8 @@ def regime_section(rows, out: Path) -> str:
     parts = [f"One row per setting (workload, host tier, live workflows, GPU memory as a fraction of the live "
              f"working set: concurrency x the mean largest prompt of a workflow). Speed-up: LRU's mean workflow "
              f"latency over the policy's (pbkv and pbkv_time under outcome trust, and pbkv, pbkv_time, perfect and "
-             f"oracle with conservative prefetch, where the runs have them); a gain is {GAIN:.2f}x or more. Gap closed on "
+             f"oracle with conservative prefetch, where the runs have them); a gain is {GAIN:.2f}x or more. "
+             f"Gap closed on "
              f"recompute is measured against the setting's floor on recomputed tokens ({'; '.join(floors)}). The "
              "latency ceiling (an estimate: the table marks a setting where a row beats it) is LRU's latency over its tool + decode + queueing time plus the prefill the floor leaves "
              "(serving_integration/experiments/regime.py).",

@@ -581,7 +581,8 @@ def robustness_check(rows) -> str:
     for mode in JUDGED:
         head += [mode, f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
                  f"{mode}: criteria met"]
-    tally = "; ".join(f"{policy} under {mode} trust in {ok} of {n} rows" for (policy, mode), (ok, n) in met.items() if n)
+    tally = "; ".join(f"{policy} under {mode} trust in {ok} of {n} rows"
+                      for (policy, mode), (ok, n) in met.items() if n)
     return f"Both criteria met in every seed: {tally}.\n\n" + md_table(head, body)
 
 
@@ -618,11 +619,13 @@ def robust_section(rows) -> str:
 
 ROBUST_NOTE = (
     "Per seed (values separated by /, in the order of the seeds column), test split, no prefetch: pbkv (and "
-    "pbkv_time, the time-aware policy, where its runs have it) under outcome trust (it follows whichever of its score order and lifecycle-aware LRU has more GPU hits on shadow "
+    "pbkv_time, the time-aware policy, where its runs have it) under outcome trust (it follows whichever of its "
+    "score order and lifecycle-aware LRU has more GPU hits on shadow "
     "caches that follow the server's calls) and under accuracy trust (it falls back to lifecycle-aware LRU while "
     "the predictions it checks online are poor), each against the better of lru and pbkv_lae, in points of GPU "
     "hit rate (criterion: >= -1 in every seed), and the share of the gain of pbkv under always trust (the "
-    "paper's policy; for pbkv_time its own order always followed) over LRU that it keeps (criterion where always's gain over LRU exceeds its 95% interval "
+    "paper's policy; for pbkv_time its own order always followed) over LRU that it keeps (criterion where "
+    "always's gain over LRU exceeds its 95% interval "
     "over the seeds: >= 95% in every seed; \"no gain\": always gains nothing over LRU in that seed, met when the "
     "mode is no worse than always). "
     "The predictor table gives the test top-1 at k=1 of the predictor behind pbkv beside Markov's, per seed.")

@@ -274,7 +274,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(each with each policy; the simulator's sim.routing of the same name)")
     p.add_argument("--partial-eviction", action="store_true",
                    help="the plugin's policies evict only a victim's tail (its partial_eviction), and so does "
-                        "their simulation (sim.partial_eviction); SGLang's own (lru, lfu) evict whole nodes on both sides")
+                        "their simulation (sim.partial_eviction); SGLang's own (lru, lfu) evict whole nodes on "
+                        "both sides")
     p.add_argument("--out", required=True, help="summary.json, report.md, per-policy calls.jsonl and server logs")
     return p.parse_args(argv)
 

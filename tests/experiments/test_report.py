@@ -128,7 +128,8 @@ def test_robustness_check_is_per_seed_against_its_criteria():
     assert markov[12] == "+8.0 / +9.0 / +10.0" and markov[14] == "yes" and markov[15:] == ["n/a"] * 4
     # always's gain (20, 10, 10 points) is larger than its 95% interval over the seeds: the share is checked
     assert "not checked" not in markov[13] and markov[13] == "100% / 100% / 100%"
-    assert "pbkv under outcome trust in 1 of 2 rows; pbkv under accuracy trust in 1 of 1 rows." in table  # the tally above the table
+    # the tally above the table
+    assert "pbkv under outcome trust in 1 of 2 rows; pbkv under accuracy trust in 1 of 1 rows." in table
     top1 = predictor_check(rows)
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
 

@@ -60,7 +60,8 @@ def test_a_server_step_inlines_its_report(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"steps": [
         {"name": "check", "kind": "server", "title": "Real against simulated", "about": "Ten workflows.",
-         "command": ["-m benchmarks.predictor_table --help --out RUNS/server/check",  # a plan runs project commands only
+         # a plan runs project commands only
+         "command": ["-m benchmarks.predictor_table --help --out RUNS/server/check",
                      "-m benchmarks.predictor_table --help --out RUNS/server/check_partial"]}]}))
     runs = tmp_path / "runs"
     for name, hits in (("check", "16.0% / 14.7%"), ("check_partial", "19.0% / 18.1%")):
