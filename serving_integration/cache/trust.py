@@ -182,9 +182,13 @@ class ShadowEntry:
         self.score = part if len(self.parts) == 1 else sum(self.parts.values())
 
     def drop_reader(self, workflow: str) -> None:
-        """A reader retired: its agents and part go, the score is summed again."""
+        """A reader retired: its agents and part go, the score is made again."""
         del self.readers[workflow]
         self.parts.pop(workflow, None)
+        self.rescore()
+
+    def rescore(self) -> None:
+        """The score from the parts (their sum)."""
         self.score = sum(self.parts.values())
 
 
@@ -205,11 +209,6 @@ class TimeShadowEntry(ShadowEntry):
         offset, values = table
         part = sum(values.get(a, 0.0) for a in self.readers[workflow])
         self.parts[workflow] = offset + math.log(part) if part > 0 else -math.inf
-        self.rescore()
-
-    def drop_reader(self, workflow: str) -> None:
-        del self.readers[workflow]
-        self.parts.pop(workflow, None)
         self.rescore()
 
     def rescore(self) -> None:

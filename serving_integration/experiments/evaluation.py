@@ -202,22 +202,16 @@ def policy_runs(knobs: Settings, replay: Replay, learned, seed: int):
             yield name, OWN_PREFETCH[name], "none", dict(policy=name, prefetch=OWN_PREFETCH[name])
         elif name == "continuum":
             yield name, "none", "none", dict(policy=name, policy_options=dataclasses.asdict(knobs.continuum))
-        elif name in ("pbkv_time", "pbkv_time_perfect"):
-            source, label = (learned[0], learned[1]["family"]) if name in LEARNED else (perfect, "perfect")
-            # as pbkv: the learned predictor under each requested trust mode, the true future always trusted
-            for trust in (pbkv.trust_modes if name in LEARNED else ("always",)):
-                for mode in knobs.run.prefetch:
-                    yield name, mode, label, dict(policy="pbkv_time", policy_options=pbkv.time_options(trust),
-                                                  prefetch=mode, gamma=pbkv.gamma, trust=trust,
-                                                  predictions=for_run(p, source, seed, learned=name in LEARNED))
-        elif name in PREDICTIVE:
-            source, label = (learned[0], learned[1]["family"]) if name == "pbkv" else (perfect, "perfect")
+        elif name in PREDICTIVE:  # pbkv and pbkv_time, each learned or fed the true future
+            learns, timed = name in LEARNED, name.startswith("pbkv_time")
+            source, label = (learned[0], learned[1]["family"]) if learns else (perfect, "perfect")
             # the learned predictor runs under each requested trust mode; the perfect one is a bound
-            for trust in (pbkv.trust_modes if name == "pbkv" else ("always",)):
+            for trust in (pbkv.trust_modes if learns else ("always",)):
+                options = pbkv.time_options(trust) if timed else pbkv.trust_options(trust)
                 for mode in knobs.run.prefetch:
-                    yield name, mode, label, dict(policy="pbkv", policy_options=pbkv.trust_options(trust),
+                    yield name, mode, label, dict(policy="pbkv_time" if timed else "pbkv", policy_options=options,
                                                   prefetch=mode, gamma=pbkv.gamma, trust=trust,
-                                                  predictions=for_run(p, source, seed, learned=name == "pbkv"))
+                                                  predictions=for_run(p, source, seed, learned=learns))
         elif name == "oracle":  # the real future: Belady eviction, prefetch of the true next calls
             for mode in knobs.run.prefetch:
                 yield name, mode, "perfect", dict(policy="oracle", prefetch=mode, gamma=pbkv.gamma,
