@@ -11,6 +11,10 @@
 #
 #   bash scripts/gpu_smoke.sh                 # prints the lru and pbkv rows, writes runs/gpu_smoke/
 #   RUN=/tmp/smoke GPU_TOKENS=32000 CONCURRENCY=8 bash scripts/gpu_smoke.sh
+#   POLICIES="lru pbkv pbkv+partial" HIDDEN=0 bash scripts/gpu_smoke.sh   # also pbkv with partial eviction
+#
+# A policy named NAME+partial runs NAME with the plugin's partial_eviction (victims split to the pages
+# still needed, docs/serving.md section 13) and reports its partial_evictions counters.
 #
 # Then (HIDDEN=1, the default; HIDDEN=0 skips it) the serving model's hidden state, steps 5-7: collect
 # traces with each call's hidden state (pbkv_lae --hidden-state, bench --save-trace), compare the
@@ -93,20 +97,22 @@ wait_healthy() {  # $1: a name for the messages, $2: its log
   done
   echo "server ($1) not ready after 10 min"; exit 1
 }
-for policy in $POLICIES; do
+for label in $POLICIES; do
+  policy=${label%+partial}
   extra=()
-  [ "$policy" = pbkv ] && extra=(--checkpoint "$RUN/train/predictor.pt")
-  [ "$policy" = kvflow ] && extra=(--step-graph-traces "$RUN/train_data")
+  [ "$label" != "$policy" ] && extra=(--policy-config '{"partial_eviction": true}')
+  [ "$policy" = pbkv ] && extra+=(--checkpoint "$RUN/train/predictor.pt")
+  [ "$policy" = kvflow ] && extra+=(--step-graph-traces "$RUN/train_data")
   "$PY" -m serving_integration.server.launch --model-path "$RUN/model" --policy "$policy" --port "$PORT" \
-      --stats-path "$RUN/stats_$policy.json" "${extra[@]}" -- \
+      --stats-path "$RUN/stats_$label.json" "${extra[@]}" -- \
       --load-format dummy --skip-tokenizer-init --max-total-tokens "$GPU_TOKENS" --context-length 32768 \
       --mem-fraction-static 0.6 --cuda-graph-max-bs "$CONCURRENCY" --log-level warning \
-      >"$RUN/server_$policy.log" 2>&1 &
+      >"$RUN/server_$label.log" 2>&1 &
   SERVER_PID=$!
-  wait_healthy "$policy" "$RUN/server_$policy.log"
+  wait_healthy "$label" "$RUN/server_$label.log"
   "$PY" -m serving_integration.experiments.bench --url "http://127.0.0.1:$PORT" --data "$RUN/data" --split all \
       --concurrency "$CONCURRENCY" --tool-time-scale "$TOOL_TIME_SCALE" --token-range 1000 30000 \
-      --policy "$policy" --out "$RUN/bench" --append
+      --policy "$label" --out "$RUN/bench" --append
   stop_server
 done
 
@@ -120,7 +126,8 @@ for r in rows:
     c = r.get("plugin_counters") or {}
     if c:
         keys = ("calls_finished", "predictor_calls", "fallback_rounds", "metadata_missing", "metadata_bad",
-                "hook_errors", "prefetch_rounds", "prefetched_tokens", "prefetch_used_tokens")
+                "hook_errors", "prefetch_rounds", "prefetched_tokens", "prefetch_used_tokens", "partial_evictions",
+                "partial_eviction_kept_tokens")
         print(f"{r['policy']} plugin: " + ", ".join(f"{k}={c.get(k, 0)}" for k in keys)
               + f", prefetch_precision={r.get('prefetch_precision')}")
 EOF

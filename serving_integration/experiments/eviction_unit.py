@@ -5,6 +5,7 @@ paragraph written from the numbers."""
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 from serving_integration.experiments.presentation import row_label
@@ -18,7 +19,9 @@ NOTE = ("Each policy with whole-node eviction (SGLang 0.5.23's: a victim node go
         "differences paired by seed. Speed-up: the row's mean workflow latency with whole-node eviction over "
         "its latency with partial eviction; \"no difference\" where the interval holds 1 (0 for a difference). "
         "Each row's bound is proven on its own request sequence and counts keys, not nodes, so it holds for "
-        "both.")
+        "both. Freed per token needed: the GPU tokens the evicted nodes held over the tokens admissions asked "
+        "eviction to free, pooled over seeds (1 at best: a whole victim frees more than was asked, and what it "
+        "frees early was still cache).")
 
 
 def eviction_unit_pairs(rows) -> dict[tuple, list[tuple[dict, dict]]]:
@@ -51,6 +54,17 @@ def _points(whole: dict, partial: dict, field: str):
     return over_seeds([100 * d for d in paired_differences(partial, whole, field)])
 
 
+def overshoot(r: dict) -> float | None:
+    """GPU tokens evicted per token asked for, pooled over the row's seeds (None: no eviction, or a
+    row from before the simulator counted them)."""
+    asked, freed = r.get("eviction_requested_tokens"), r.get("evicted_gpu_tokens")
+    return freed / asked if asked and freed is not None else None
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def eviction_unit_section(rows) -> str:
     """The tables and paragraph, or "" when no setting ran both ways."""
     pairs = eviction_unit_pairs(rows)
@@ -63,7 +77,8 @@ def eviction_unit_section(rows) -> str:
         parts.append(f"**{at['workload']}**, {_size(whole0)} ({at['gpu_tokens']:,} GPU tokens), {_host(whole0)}, "
                      f"{at['concurrency']} live workflows, {len(per_seed(whole0, 'hit_rate'))} seed(s)")
         head = ["policy", "mean latency (s): whole", "partial", "speed-up of partial", "recomputed: whole", "partial",
-                "difference (points)", "GPU hits: whole", "partial", "difference (points)"]
+                "difference (points)", "GPU hits: whole", "partial", "difference (points)",
+                "freed per token needed: whole", "partial"]
         body = [[row_label(whole), shown(over_seeds(per_seed(whole, "mean_workflow_latency_s"))),
                  shown(over_seeds(per_seed(partial, "mean_workflow_latency_s"))),
                  shown(_speed_up(whole, partial), "{:.3f}", null=1.0),
@@ -72,16 +87,18 @@ def eviction_unit_section(rows) -> str:
                  shown(_points(whole, partial, "recompute_rate"), "{:+.1f}", null=0.0),
                  shown(over_seeds(per_seed(whole, "hit_rate")), "{:.1%}"),
                  shown(over_seeds(per_seed(partial, "hit_rate")), "{:.1%}"),
-                 shown(_points(whole, partial, "hit_rate"), "{:+.1f}", null=0.0)] for whole, partial in pairs[key]]
+                 shown(_points(whole, partial, "hit_rate"), "{:+.1f}", null=0.0),
+                 _times(overshoot(whole)), _times(overshoot(partial))] for whole, partial in pairs[key]]
         parts.append(md_table(head, body))
     parts.append(paragraph(pairs))
     return "\n\n".join(parts)
 
 
 def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
-    """How often partial eviction is faster beyond its interval, slower, or neither; and where it moves
-    the recomputed work most."""
+    """How often partial eviction is faster beyond its interval, slower, or neither; where it moves
+    the recomputed work most; and how much each unit frees per token asked for."""
     faster = slower = same = 0
+    freed: dict[bool, list[float]] = {False: [], True: []}
     largest = None  # (points of recomputed prompt tokens saved, whole row, partial row)
     for group in pairs.values():
         for whole, partial in group:
@@ -92,6 +109,9 @@ def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
                 slower += 1
             else:
                 same += 1
+            for unit, r in ((False, whole), (True, partial)):
+                if overshoot(r) is not None:
+                    freed[unit].append(overshoot(r))
             saved = -_points(whole, partial, "recompute_rate").value
             if largest is None or saved > largest[0]:
                 largest = (saved, whole, partial)
@@ -104,4 +124,10 @@ def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
                  f"recomputed whole, {partial['recompute_rate']:.1%} partial (GPU hits {whole['hit_rate']:.1%} "
                  f"and {partial['hit_rate']:.1%}; means over seeds), speed-up "
                  f"{shown(_speed_up(whole, partial), '{:.3f}', null=1.0)}.")
+    if freed[False] and freed[True]:
+        text += (f" Whole-node eviction frees {min(freed[False]):.2f} to {max(freed[False]):.2f} GPU tokens per "
+                 f"token an admission asked for (median {statistics.median(freed[False]):.2f}), partial eviction "
+                 f"{min(freed[True]):.2f} to {max(freed[True]):.2f} (median {statistics.median(freed[True]):.2f}): "
+                 "a whole victim frees more than the admission needs, where partial eviction frees its tail and "
+                 "keeps the rest matchable.")
     return text

@@ -46,7 +46,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -147,6 +147,10 @@ class Counters:
     miss_tokens: int = 0
     recomputed_tokens: int = 0  # missed tokens whose prefix had been cached before
     kv_tokens_read: int = 0  # KV rows read by decode steps: prompt tokens x output tokens, per call
+    # GPU tokens admissions and prefetch asked evictions to free, and the tokens the evicted nodes
+    # held: whole-node eviction frees a victim whole, so it can free far more than was asked
+    eviction_requested_tokens: int = 0
+    evicted_gpu_tokens: int = 0
     prefetched_tokens: int = 0
     prefetch_used_tokens: int = 0
     predictor_calls: int = 0
@@ -381,7 +385,7 @@ class Server:
                 tree.unlock(path[-1])
             return False
         if tree.gpu_free() < need:
-            tree.evict_gpu(need - tree.gpu_free())
+            self._evict(need - tree.gpu_free())
         tree.load_back(path)
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
@@ -406,6 +410,12 @@ class Server:
         r.context = call.prompt_tokens - r.prefill_left
         self._count_admission(r, matched)
         return True
+
+    def _evict(self, tokens: int, allow: Callable[[Node], bool] | None = None) -> None:
+        """Evict at least `tokens` GPU tokens in policy order (RadixTree.evict_gpu), counted."""
+        evicted = self.tree.evict_gpu(tokens, allow=allow)
+        self.counters.eviction_requested_tokens += tokens
+        self.counters.evicted_gpu_tokens += sum(node.num_tokens for node in evicted)
 
     def _count_admission(self, r: Request, matched_units: int) -> None:
         c = self.counters
@@ -606,7 +616,7 @@ class Server:
             anchor = path[0].parent
             tree.lock(anchor)  # keep the path's GPU ancestor while making room
             if tree.gpu_free() < need:
-                tree.evict_gpu(need - tree.gpu_free(), allow=self.prefetch.may_evict)
+                self._evict(need - tree.gpu_free(), allow=self.prefetch.may_evict)
             tree.unlock(anchor)
             if tree.gpu_free() < need:
                 if self.prefetch.stops_at_failure:  # kvflow: a load that fails ends the round
@@ -883,6 +893,11 @@ def summarize(counters: Counters, makespan: float, n_calls: int, trace: Sequence
         "prefetch_precision": c.prefetch_used_tokens / c.prefetched_tokens if c.prefetched_tokens else None,
         "prefetched_tokens": c.prefetched_tokens,
         "kv_tokens_read": c.kv_tokens_read,
+        "eviction_requested_tokens": c.eviction_requested_tokens,
+        "evicted_gpu_tokens": c.evicted_gpu_tokens,
+        # GPU tokens evicted per token asked for: 1 at best; whole-node eviction frees whole victims
+        "eviction_overshoot": (c.evicted_gpu_tokens / c.eviction_requested_tokens
+                               if c.eviction_requested_tokens else None),
         "predictor_calls": c.predictor_calls,
         "ended_by_signal": c.ended_by_signal,
         "ended_by_timeout": c.ended_by_timeout,

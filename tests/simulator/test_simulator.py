@@ -107,6 +107,8 @@ def test_replay_invariants(kind, seed, gpu, concurrency, policy, prefetch, page,
     assert counters.prompt_tokens == sum(c.prompt_tokens for w in workflows for c in w.calls)
     assert len(counters.latencies) == len(workflows) and all(x > 0 for x in counters.latencies)
     assert counters.prefetch_used_tokens <= counters.prefetched_tokens
+    if prefetch == "none":  # an admission is made only where eviction can free what it asks
+        assert counters.evicted_gpu_tokens >= counters.eviction_requested_tokens
     assert sim.tree.private_gpu == 0 and not any(x.lock_ref for x in sim.tree.nodes())
     bounds = bound_metrics(sim)  # the run's own bounds: GPU hits (with prefetch, the prefetch-aware one), recompute
     gpu_rate = counters.gpu_hit_tokens / counters.prompt_tokens
@@ -203,6 +205,22 @@ def cached(server: Server, units: tuple, lens: tuple) -> None:
 def waiting_call(server: Server, name: str, units: tuple, lens: tuple, at: float) -> None:
     call = SimCall("coder", units, lens, prefix_keys(units), f"{name}/out", 10, 0.0, None)
     server.receive(at, SimWorkflow(name, 0, "task", [call]), ())
+
+
+def test_eviction_counters_show_what_whole_node_eviction_frees_beyond_the_need():
+    """An admission 5 tokens short of room evicts the oldest leaf, a 3-unit, 300-token context:
+    whole-node eviction frees all 300 (overshoot 60), partial eviction the one 100-token unit of
+    its tail that covers the 5 (overshoot 20); both count the 5 asked for."""
+    for partial, evicted in ((False, 300), (True, 100)):
+        config = SimConfig(gpu_tokens=1_000, partial_eviction=partial)
+        server = Server(config, H100, config.gpu_tokens, "lru", None, "none", 0.5)
+        cached(server, ("a", "b", "c"), (100, 100, 100))
+        cached(server, ("x",), (600,))
+        waiting_call(server, "w", ("new",), (95,), 0.0)  # 95 + 10 output tokens: 5 more than the 100 free
+        server.step(INF, ())
+        c = server.counters
+        assert (c.eviction_requested_tokens, c.evicted_gpu_tokens) == (5, evicted), partial
+        assert server.tree.peek(["x"]) == (1, 1)  # the newer leaf stays
 
 
 def test_lpm_admits_the_longest_cached_prefix_first_and_defers_a_shared_uncached_one():
