@@ -188,6 +188,16 @@ def _host_rate(row: dict) -> float:
     return row["host_hit_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
 
 
+def _overshoot(row: dict) -> float | None:
+    """GPU tokens evicted per token asked for: the simulator's row field, the plugin's counters
+    (None: SGLang's own policies, which the plugin does not count, or no eviction)."""
+    if "eviction_overshoot" in row:
+        return row["eviction_overshoot"]
+    counters = row.get("plugin_counters") or {}
+    asked = counters.get("eviction_requested_tokens")
+    return counters.get("evicted_gpu_tokens", 0) / asked if asked else None
+
+
 def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
     """Per policy, real vs simulated metrics; the policies' order by device hit rate on each side."""
     lines = []
@@ -197,6 +207,7 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
         for key, _ in METRICS:
             line[f"real_{key}"] = _host_rate(r) if key == "host_hit_rate" else r[key]
             line[f"sim_{key}"] = _host_rate(s) if key == "host_hit_rate" else s[key]
+        line["real_eviction_overshoot"], line["sim_eviction_overshoot"] = _overshoot(r), _overshoot(s)
         line["prompt_tokens"] = (r["prompt_tokens"], s["prompt_tokens"])
         lines.append(line)
     for line in lines:
@@ -209,7 +220,8 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
 
 
 def format_comparison(table: dict) -> str:
-    header = ["policy"] + [f"{name} real / sim" for _, name in METRICS] + ["latency error"]
+    header = ["policy"] + [f"{name} real / sim" for _, name in METRICS] + ["latency error",
+                                                                          "freed per token needed real / sim"]
     out = [" | ".join(header), " | ".join("---" for _ in header)]
     for line in table["rows"]:
         cells = [line["policy"]]
@@ -222,6 +234,8 @@ def format_comparison(table: dict) -> str:
             else:
                 cells.append(f"{real:.2f} / {sim:.2f}")
         cells.append(f"{line['latency_error']:+.1%}")
+        cells.append(" / ".join("n/a" if line.get(f"{side}_eviction_overshoot") is None
+                                else f"{line[f'{side}_eviction_overshoot']:.2f}" for side in ("real", "sim")))
         out.append(" | ".join(cells))
     out.append(f"order by device hit rate: real {' > '.join(table['order']['real'])}; "
                f"simulated {' > '.join(table['order']['sim'])} ({'same' if table['same_order'] else 'DIFFERENT'})")

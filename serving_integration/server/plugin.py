@@ -25,9 +25,10 @@ What it registers:
                                                `hidden_state`: a tagged request asks SGLang's
                                                forward for its last prefill token's hidden state
                                                (Req.return_hidden_states = "last", as a client could)
-  * AROUND UnifiedRadixCache._evict_components: with `partial_eviction`, an allocation-driven
-    walk's shortfall (the allocator's target less its available size, read after every victim)
-    reaches the tree core, which evicts only the tail of a victim that holds more than it;
+  * AROUND UnifiedRadixCache._evict_components: an allocation-driven walk's shortfall (the
+    allocator's target less its available size, read after every victim) reaches the tree core,
+    which counts it as asked for and, with `partial_eviction`, evicts only the tail of a victim
+    that holds more than it;
   * AROUND SchedulerBatchResultProcessor._append_prefill_hidden_states: SGLang has copied that
     hidden state to the host; the runtime takes it (timed), the request's flag is cleared again (no
     capture during its decode, nothing in its response unless its tag asks: meta_info.pbkv_hidden)
@@ -176,14 +177,15 @@ def after_internal_state(output, scheduler, *args, **kwargs):
 
 
 def around_evict_components(original, cache, *args, **kwargs):
-    """An eviction walk: where the plugin evicts partially and SGLang's allocator drives the walk
-    toward an available-size target (evict_for_alloc), the tree core reads the target's shortfall
-    while the walk runs (strategies.WorkflowTreeCore.shortfall)."""
+    """An eviction walk: where SGLang's allocator drives the walk toward an available-size target
+    (evict_for_alloc), the tree core reads the target's shortfall while the walk runs
+    (strategies.WorkflowTreeCore.shortfall): the tokens still needed, which partial eviction splits
+    a victim to and the eviction counters count as asked for."""
     core = None
     try:
         runtime = _runtime(cache)
         targets = kwargs.get("available_size_targets", args[2] if len(args) > 2 else None)
-        if runtime is not None and runtime.config.partial_eviction and targets:
+        if runtime is not None and targets:
             from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
             target = targets.get(ComponentType.FULL)

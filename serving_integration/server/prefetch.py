@@ -107,13 +107,12 @@ class HostPrefetcher:
         room; a mode that may displace only retired cache has counted only free space and retired
         leaves as its room, and has SGLang evict in lifecycle-aware order meanwhile, so that the
         room is taken from retired cache whatever the policy's own order (lru_prefetch's is LRU)."""
-        if self.runtime.prefetch.evicts_live:
-            return self.cache.load_back(node.id)
-        self.runtime.making_room_for_prefetch = True
+        runtime = self.runtime
+        runtime.prefetching, runtime.making_room_for_prefetch = True, not runtime.prefetch.evicts_live
         try:
             return self.cache.load_back(node.id)
         finally:
-            self.runtime.making_room_for_prefetch = False
+            runtime.prefetching = runtime.making_room_for_prefetch = False
 
     def ranked(self) -> list[tuple]:
         """(node, tag) in load order: a baseline's own order, else PBKV's ranking of the candidates."""

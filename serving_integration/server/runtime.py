@@ -388,6 +388,7 @@ class WorkflowRuntime:
         # while a prefetch that may displace only retired cache loads (its room: free space and retired
         # leaves), SGLang's load_back makes that room in lifecycle-aware order (retired first)
         self.making_room_for_prefetch = False
+        self.prefetching = False  # a prefetch load is making room: its evictions are not an admission's
         self.recent_tags: deque = deque(maxlen=RECENT_TAGS)  # tags of finished calls, as the ledger saw them
         # hidden states: the predictor that reads them (None: it does not), the vectors of requests
         # whose prefill finished (rid -> vector of the predictor's input size; None: captured, but no

@@ -119,6 +119,7 @@ class WorkflowTreeCore(UnifiedTreeCore):
 
     shortfall = None  # during an allocation-driven walk: () -> FULL tokens still needed
     _walk_quota = 0  # the running walk's quota (evict_device_start)
+    _walk_asked = False  # whether the running walk's tokens asked for are counted
 
     @property
     def runtime(self) -> WorkflowRuntime | None:
@@ -148,21 +149,32 @@ class WorkflowTreeCore(UnifiedTreeCore):
             self.runtime.on_delete(node)
 
     def evict_device_start(self, component_type, request_cnt):
-        self._walk_quota = request_cnt
+        self._walk_quota, self._walk_asked = request_cnt, False
         super().evict_device_start(component_type, request_cnt)
 
     def evict_device_next_node(self, component_type, tracker):
+        """The walk's next victim: split where `partial_eviction` asks, and, unless a prefetch load
+        makes the room, counted as the simulator counts an admission's evictions: the tokens the
+        walk was asked to free (`eviction_requested_tokens`, once per walk) and the tokens each
+        victim frees (`evicted_gpu_tokens`)."""
         result = super().evict_device_next_node(component_type, tracker)
         runtime = self.runtime
-        if result.node_id is not None and component_type == ComponentType.FULL and runtime is not None \
-                and runtime.config.partial_eviction:
-            try:
-                need = self.shortfall() if self.shortfall is not None else \
-                    self._walk_quota - tracker.get(component_type, 0)
+        if result.node_id is None or component_type != ComponentType.FULL or runtime is None:
+            return result
+        try:
+            need = self.shortfall() if self.shortfall is not None else \
+                self._walk_quota - tracker.get(component_type, 0)
+            counted = not runtime.prefetching
+            if counted and not self._walk_asked:
+                self._walk_asked = True
+                runtime.stats.count("eviction_requested_tokens", max(need, 0))
+            if runtime.config.partial_eviction:
                 self._keep_prefix(self._node_arena[result.node_id], need, result.cache_actions, runtime)
-            except Exception:  # noqa: BLE001  (never into SGLang: the victim goes whole)
-                runtime.stats.count("hook_errors")
-                log.exception("PBKV: splitting an eviction victim failed; it is evicted whole")
+            if counted:
+                runtime.stats.count("evicted_gpu_tokens", len(self._node_arena[result.node_id].key))
+        except Exception:  # noqa: BLE001  (never into SGLang: the victim goes whole)
+            runtime.stats.count("hook_errors")
+            log.exception("PBKV: splitting or counting an eviction victim failed; it is evicted whole")
         return result
 
     def _keep_prefix(self, victim, need: int, cache_actions: list, runtime) -> None:

@@ -46,7 +46,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -147,8 +147,8 @@ class Counters:
     miss_tokens: int = 0
     recomputed_tokens: int = 0  # missed tokens whose prefix had been cached before
     kv_tokens_read: int = 0  # KV rows read by decode steps: prompt tokens x output tokens, per call
-    # GPU tokens admissions and prefetch asked evictions to free, and the tokens the evicted nodes
-    # held: whole-node eviction frees a victim whole, so it can free far more than was asked
+    # GPU tokens admissions asked evictions to free, and the tokens the evicted nodes held:
+    # whole-node eviction frees a victim whole, so it can free far more than was asked
     eviction_requested_tokens: int = 0
     evicted_gpu_tokens: int = 0
     prefetched_tokens: int = 0
@@ -411,9 +411,11 @@ class Server:
         self._count_admission(r, matched)
         return True
 
-    def _evict(self, tokens: int, allow: Callable[[Node], bool] | None = None) -> None:
-        """Evict at least `tokens` GPU tokens in policy order (RadixTree.evict_gpu), counted."""
-        evicted = self.tree.evict_gpu(tokens, allow=allow)
+    def _evict(self, tokens: int) -> None:
+        """An admission's eviction of at least `tokens` GPU tokens in policy order
+        (RadixTree.evict_gpu), counted (a prefetch's are not: a vetoed one may free less than it
+        asks, and then loads nothing)."""
+        evicted = self.tree.evict_gpu(tokens)
         self.counters.eviction_requested_tokens += tokens
         self.counters.evicted_gpu_tokens += sum(node.num_tokens for node in evicted)
 
@@ -616,7 +618,7 @@ class Server:
             anchor = path[0].parent
             tree.lock(anchor)  # keep the path's GPU ancestor while making room
             if tree.gpu_free() < need:
-                self._evict(need - tree.gpu_free(), allow=self.prefetch.may_evict)
+                tree.evict_gpu(need - tree.gpu_free(), allow=self.prefetch.may_evict)
             tree.unlock(anchor)
             if tree.gpu_free() < need:
                 if self.prefetch.stops_at_failure:  # kvflow: a load that fails ends the round

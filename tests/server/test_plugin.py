@@ -909,11 +909,13 @@ def test_partial_eviction_in_sglang_frees_a_victims_tail_for_counted_and_allocat
                 sampling_params=SamplingParams(max_new_tokens=1))
     assert match_kv_cache(again, cache).device_prefix_len == (9 if partial else 0)
     assert runtime.stats["partial_evictions"] == (1 if partial else 0)
-    if not partial:
-        return
+    assert (runtime.stats["eviction_requested_tokens"], runtime.stats["evicted_gpu_tokens"]) == \
+        (5, 5 if partial else 14)  # as the simulator counts: asked for, freed
     # allocation-driven: fill the pool, then ask for 3 tokens more than are free
     serving.serve(prompt(300, 200), [1], tag("B", "a"), label="B")
     free = serving.allocator.available_size()
     evicted = cache.evict_for_alloc(EvictParams(num_tokens=3)).num_tokens_evicted
-    assert evicted == 3 and serving.allocator.available_size() == free + 3
-    assert runtime.stats["partial_evictions"] == 2 and not cache.tree_core.shortfall  # cleared after the walk
+    assert (evicted == 3) == partial and serving.allocator.available_size() == free + evicted
+    assert (runtime.stats["eviction_requested_tokens"], runtime.stats["evicted_gpu_tokens"]) == \
+        (8, 8 if partial else 14 + evicted)  # the shortfall counts as asked for either way
+    assert runtime.stats["partial_evictions"] == (2 if partial else 0) and not cache.tree_core.shortfall
