@@ -21,6 +21,14 @@ def _percentile(values, q: float) -> float:
 TIME_SPLIT = ("tool", "queue", "prefill", "decode", "pcie")
 
 
+def eviction_overshoot(counts) -> float | None:
+    """GPU tokens evicted per token the evictions were asked to free, from `evicted_gpu_tokens` and
+    `eviction_requested_tokens` in `counts` (a summary row, a row's means over seeds, the plugin's
+    counters); None without an eviction. 1 at best: whole-node eviction frees a victim whole."""
+    asked = counts.get("eviction_requested_tokens")
+    return counts.get("evicted_gpu_tokens", 0) / asked if asked else None
+
+
 def per_workflow_results(latencies: dict, calls) -> dict:
     """What each workflow of a replay cost, as columns ordered by workflow id (so that two policies'
     replays of the same workflows pair index by index): `workflow` (ids), `latency_s`,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from serving_integration.cache.metrics import eviction_overshoot
 from serving_integration.experiments.presentation import row_label
 from serving_integration.experiments.rows import setting_but
 from serving_integration.experiments.statistics import over_seeds, paired_differences, paired_ratios, per_seed, shown
@@ -54,13 +55,6 @@ def _points(whole: dict, partial: dict, field: str):
     return over_seeds([100 * d for d in paired_differences(partial, whole, field)])
 
 
-def overshoot(r: dict) -> float | None:
-    """GPU tokens evicted per token asked for, pooled over the row's seeds (None: no eviction, or a
-    row from before the simulator counted them)."""
-    asked, freed = r.get("eviction_requested_tokens"), r.get("evicted_gpu_tokens")
-    return freed / asked if asked and freed is not None else None
-
-
 def _times(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -88,7 +82,8 @@ def eviction_unit_section(rows) -> str:
                  shown(over_seeds(per_seed(whole, "hit_rate")), "{:.1%}"),
                  shown(over_seeds(per_seed(partial, "hit_rate")), "{:.1%}"),
                  shown(_points(whole, partial, "hit_rate"), "{:+.1f}", null=0.0),
-                 _times(overshoot(whole)), _times(overshoot(partial))] for whole, partial in pairs[key]]
+                 _times(eviction_overshoot(whole)), _times(eviction_overshoot(partial))]
+                for whole, partial in pairs[key]]
         parts.append(md_table(head, body))
     parts.append(paragraph(pairs))
     return "\n\n".join(parts)
@@ -110,8 +105,9 @@ def paragraph(pairs: dict[tuple, list[tuple[dict, dict]]]) -> str:
             else:
                 same += 1
             for unit, r in ((False, whole), (True, partial)):
-                if overshoot(r) is not None:
-                    freed[unit].append(overshoot(r))
+                value = eviction_overshoot(r)
+                if value is not None:
+                    freed[unit].append(value)
             saved = -_points(whole, partial, "recompute_rate").value
             if largest is None or saved > largest[0]:
                 largest = (saved, whole, partial)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from data import CONF_DIR
+from serving_integration.cache.metrics import eviction_overshoot
 from serving_integration.cache.policies import PLUGIN_POLICIES, Prefetch
 from serving_integration.cache.router import ROUTERS
 from serving_integration.cache.config import PbkvConfig
@@ -188,16 +189,6 @@ def _host_rate(row: dict) -> float:
     return row["host_hit_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
 
 
-def _overshoot(row: dict) -> float | None:
-    """GPU tokens evicted per token asked for: the simulator's row field, the plugin's counters
-    (None: SGLang's own policies, which the plugin does not count, or no eviction)."""
-    if "eviction_overshoot" in row:
-        return row["eviction_overshoot"]
-    counters = row.get("plugin_counters") or {}
-    asked = counters.get("eviction_requested_tokens")
-    return counters.get("evicted_gpu_tokens", 0) / asked if asked else None
-
-
 def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
     """Per policy, real vs simulated metrics; the policies' order by device hit rate on each side."""
     lines = []
@@ -207,7 +198,9 @@ def compare(real: dict[str, dict], sim: dict[str, dict]) -> dict:
         for key, _ in METRICS:
             line[f"real_{key}"] = _host_rate(r) if key == "host_hit_rate" else r[key]
             line[f"sim_{key}"] = _host_rate(s) if key == "host_hit_rate" else s[key]
-        line["real_eviction_overshoot"], line["sim_eviction_overshoot"] = _overshoot(r), _overshoot(s)
+        # the plugin's counters (none for SGLang's own policies, which it does not run), the simulator's row
+        line["real_eviction_overshoot"] = eviction_overshoot(r.get("plugin_counters") or {})
+        line["sim_eviction_overshoot"] = eviction_overshoot(s)
         line["prompt_tokens"] = (r["prompt_tokens"], s["prompt_tokens"])
         lines.append(line)
     for line in lines:

@@ -53,7 +53,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.metrics import per_workflow_results, replay_metrics
+from serving_integration.cache.metrics import eviction_overshoot, per_workflow_results, replay_metrics
 from serving_integration.cache.config import PbkvConfig
 from serving_integration.cache.policies import INF, Prefetch, WorkflowLedger, make_policy
 from serving_integration.cache.predictions import PredictionSource, predict_times, tabulate, tell_finished
@@ -884,7 +884,7 @@ def summarize(counters: Counters, makespan: float, n_calls: int, trace: Sequence
     requests = {id(r): r for r in trace}.values()
     per_workflow = per_workflow_results(dict(zip(c.latency_workflows, c.latencies)),
                                         ((r.wf.id, r.gpu_hit + r.host_hit + r.miss, r.miss) for r in requests))
-    return {
+    row = {
         **replay_metrics(gpu_hit_tokens=c.gpu_hit_tokens, host_hit_tokens=c.host_hit_tokens,
                          prompt_tokens=c.prompt_tokens, workflow_latencies=c.latencies, ttfts=c.ttfts,
                          calls=n_calls, makespan_s=makespan, per_workflow=per_workflow,
@@ -897,14 +897,13 @@ def summarize(counters: Counters, makespan: float, n_calls: int, trace: Sequence
         "kv_tokens_read": c.kv_tokens_read,
         "eviction_requested_tokens": c.eviction_requested_tokens,
         "evicted_gpu_tokens": c.evicted_gpu_tokens,
-        # GPU tokens evicted per token asked for: 1 at best; whole-node eviction frees whole victims
-        "eviction_overshoot": (c.evicted_gpu_tokens / c.eviction_requested_tokens
-                               if c.eviction_requested_tokens else None),
         "predictor_calls": c.predictor_calls,
         "ended_by_signal": c.ended_by_signal,
         "ended_by_timeout": c.ended_by_timeout,
         "live_timeouts": c.live_timeouts,
     }
+    row["eviction_overshoot"] = eviction_overshoot(row)
+    return row
 
 
 def bound_metrics(sim: Simulator) -> dict:
