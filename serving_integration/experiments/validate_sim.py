@@ -70,13 +70,13 @@ def real_run(workflows, policy: str, *, gpu_tokens: int, hicache_ratio: float = 
     if replicas > 1:
         log = Path(log_dir) / f"cluster-{routing}-{policy}" if log_dir else None
         owner = LocalCluster(args, replicas, routing, gpu_tokens, log_dir=log, health_timeout_s=health_timeout_s)
-        workers, log_path = owner.worker_urls, owner.log_dir
+        log_path = owner.log_dir
     else:
         log_path = Path(log_dir) / f"server-{policy}.log" if log_dir else None
         owner = LocalServer(args + ["--max-total-tokens", str(gpu_tokens)], log_path=log_path,
                             health_timeout_s=health_timeout_s)
-        workers = []
-    with owner:
+    with owner:  # the servers' URLs are final once they are up (a taken port moves one)
+        workers = owner.worker_urls if replicas > 1 else []
         run = replay_and_collect(owner.url, workers, workflows, policy, gpu_tokens=gpu_tokens, concurrency=concurrency,
                                  tool_time_scale=tool_time_scale, routing=routing,
                                  worker_index=getattr(owner, "worker_index", None) or None,

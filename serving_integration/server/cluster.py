@@ -147,6 +147,7 @@ class LocalCluster:
                 server.start()
             for server in self.servers:
                 server.wait_healthy()
+            self.worker_urls = [s.url for s in self.servers]  # a server whose port was taken moved to another
             self._make_routers()  # free ports picked now: a starting server takes ports of its own
             for router in self.routers.values():
                 router.start()

@@ -252,6 +252,7 @@ class LocalProcess:
     `stop_timeout_s`. As a context manager: start, wait, and stop on leaving."""
 
     health_path = "/health"
+    fatal_log_marks: tuple[str, ...] = ()  # a log line with one of these: the process will not become healthy
 
     def __init__(self, cmd: list[str], url: str, log_path: str | Path | None = None,
                  health_timeout_s: float = 240.0, stop_timeout_s: float = 20.0, env: dict | None = None):
@@ -303,8 +304,8 @@ class LocalProcess:
 
         name = type(self).__name__
         while time.monotonic() - self._started < self.health_timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} {self.url} exited with {self.proc.returncode} before it was healthy; "
+            if self.proc.poll() is not None or any(mark in self.log_tail() for mark in self.fatal_log_marks):
+                raise RuntimeError(f"{name} {self.url} failed before it was healthy (exit code {self.proc.returncode}); "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}{self.health_path}", timeout=5) as resp:
@@ -336,17 +337,42 @@ class LocalProcess:
                 break
 
 
+PORT_TAKEN = "error while attempting to bind on address"  # uvicorn's, when the port is taken (errno 98)
+PORT_ATTEMPTS = 3
+
+
 class LocalServer(LocalProcess):
     """`launch` as a LocalProcess, for programs and tests that need a live server:
     `with LocalServer(["--cpu", "--policy", "lru"]) as server: server.url ...`. The launcher's PID
     is the server's (it execs); sglang's scheduler and detokenizer processes share its group."""
 
+    fatal_log_marks = (PORT_TAKEN,)
+
     def __init__(self, launch_args: list[str], port: int | None = None, log_path: str | Path | None = None,
                  health_timeout_s: float = 240.0, stop_timeout_s: float = 20.0, env: dict | None = None):
-        self.port = port or free_port()
-        self.launch_args = [*launch_args, "--port", str(self.port)]
-        super().__init__([sys.executable, "-m", "serving_integration.server.launch", *self.launch_args],
-                         f"http://127.0.0.1:{self.port}", log_path, health_timeout_s, stop_timeout_s, env)
+        self.args, self.port_given = list(launch_args), port is not None
+        super().__init__([], "", log_path, health_timeout_s, stop_timeout_s, env)
+        self._listen_on(port or free_port())
+
+    def _listen_on(self, port: int) -> None:
+        self.port = port
+        self.launch_args = [*self.args, "--port", str(port)]
+        self.cmd = [sys.executable, "-m", "serving_integration.server.launch", *self.launch_args]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_healthy(self) -> None:
+        """As LocalProcess's; a free port picked for the server can be taken before the server binds
+        it (an outgoing connection's source port comes from the same range), and then it starts
+        again on another one, up to PORT_ATTEMPTS times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return super().wait_healthy()
+            except RuntimeError:
+                if self.port_given or attempt == PORT_ATTEMPTS or PORT_TAKEN not in self.log_tail():
+                    raise
+            self.stop()
+            self._listen_on(free_port())
+            self.start()
 
 
 def _group_alive(pgid: int) -> bool:

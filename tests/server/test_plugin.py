@@ -697,6 +697,42 @@ def test_launch_cpu_adds_the_cpu_flags_environment_and_support_path(tmp_path):
         launch.parse_args(["--policy", "lru"])  # neither --model-path nor --cpu
 
 
+# a stand-in for `launch`: uvicorn (as SGLang's HTTP server) answering 200 on the port it is given
+ASGI_STAND_IN = """
+import sys, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info")
+"""
+
+
+def test_a_local_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """A free port picked for a LocalServer can be taken before the server binds it (in a cluster
+    test, by another replica's connections); uvicorn then cannot bind, and the server is started
+    again on a new free port instead of timing out. A port the caller chose is not moved."""
+    import socket
+
+    class StandIn(launch.LocalServer):
+        def _listen_on(self, port):
+            super()._listen_on(port)
+            self.cmd = [sys.executable, "-c", ASGI_STAND_IN, str(port)]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy, real = taken.getsockname()[1], launch.free_port
+        picks = iter([busy])
+        monkeypatch.setattr(launch, "free_port", lambda: next(picks, None) or real())
+        with StandIn([], log_path=tmp_path / "server.log", health_timeout_s=60) as server:
+            assert server.port != busy and server.url.endswith(f":{server.port}")
+            assert server.launch_args[-2:] == ["--port", str(server.port)]
+        with pytest.raises(RuntimeError, match="failed before it was healthy"):
+            with StandIn([], port=busy, log_path=tmp_path / "given.log", health_timeout_s=60):
+                pass
+
+
 def test_cpu_support_stand_in_and_hicache_transfer(monkeypatch):
     import importlib
 
