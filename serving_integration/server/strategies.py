@@ -161,10 +161,12 @@ class WorkflowTreeCore(UnifiedTreeCore):
         runtime = self.runtime
         if result.node_id is None or component_type != ComponentType.FULL or runtime is None:
             return result
+        counted = not runtime.prefetching
+        if not counted and not runtime.config.partial_eviction:
+            return result  # a prefetch load's room, taken whole: nothing to count or split
         try:
             need = self.shortfall() if self.shortfall is not None else \
                 self._walk_quota - tracker.get(component_type, 0)
-            counted = not runtime.prefetching
             if counted and not self._walk_asked:
                 self._walk_asked = True
                 runtime.stats.count("eviction_requested_tokens", max(need, 0))
