@@ -123,7 +123,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
                 best = (wall, sim, counters, judged[0])
         wall, sim, counters, trust_s = best
         started = time.perf_counter()
-        bound = bound_metrics(sim)  # the offline upper bound on the run's own sequence (simulator/bound.py)
+        bound = bound_metrics(sim, reuse=False)  # the upper bound on the run's own sequence, solved (bound.py)
         bound_wall = time.perf_counter() - started
         print(f"{label:>24} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
               f"{bound['bound_hit_rate']:7.1%} {bound_wall:8.2f} {bound['bound_intervals']:12d} "

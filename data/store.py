@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute
 from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.utils import disable_progress_bars
 from hydra.utils import instantiate
@@ -39,24 +40,26 @@ class TraceDataset:
     path: Path | None = None
 
     def segment_table(self) -> dict[str, dict]:
-        return {row["id"]: row for row in self.segments}
+        return {row["id"]: row for row in self.segments.to_list()}
 
     def rows(self, split: str | None = None) -> list[dict]:
         """Call rows of one split, or of all splits, grouped by workflow in step order."""
         names = SPLITS if split is None else (split,)
-        return [row for name in names for row in self.calls[name]]
+        # to_list converts each table at once (Arrow's to_pylist): the same rows as iterating the
+        # Dataset, which formats one row at a time, 5 to 20 times faster
+        return [row for name in names for row in self.calls[name].to_list()]
 
     def system_prompts(self, split: str | None = None) -> dict[str, str]:
         """Each agent's system prompt: the text of the first ``system`` segment of its first call in
         ``split`` (None: every split, train first), "" where the trace stores no text for it
         (generated workloads record only the prompt's token count)."""
-        kinds = self.segments["kind"]
-        rows = [i for i, kind in enumerate(kinds) if kind == "system"]
-        chosen = self.segments.select(rows).select_columns(["id", "text"]).to_dict()
+        # read as Arrow tables (a tenth of the time of formatting each column to Python first)
+        segments = self.segments.select_columns(["id", "kind", "text"]).with_format("arrow")[:]
+        chosen = segments.filter(pyarrow.compute.equal(segments["kind"], "system")).to_pydict()
         system = dict(zip(chosen["id"], chosen["text"]))
         prompts: dict[str, str] = {}
         for name in SPLITS if split is None else (split,):
-            calls = self.calls[name].select_columns(["agent", "prompt_ids"]).to_dict()
+            calls = self.calls[name].select_columns(["agent", "prompt_ids"]).with_format("arrow")[:].to_pydict()
             for agent, prompt in zip(calls["agent"], calls["prompt_ids"]):
                 if not prompts.get(agent):
                     prompts[agent] = next((system[i] for i in prompt if i in system), "")

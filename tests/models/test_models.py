@@ -236,6 +236,50 @@ def test_text_cache_encodes_each_task_once_and_evicts_lru():
     torch.testing.assert_close(features.encode_tasks(["y", "z"]), encoder.encode(["y", "z"]))
 
 
+def test_minilm_shares_one_model_and_answers_a_list_it_encoded_from_memory(monkeypatch):
+    import models.text as text
+
+    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
+    monkeypatch.setattr(text, "MINILM_MEMO", 2)
+    first, second = text.MiniLMTextEncoder(), text.MiniLMTextEncoder()
+    texts = ["find the 2019 revenue", "a much longer task about the verifier agent and its sources"]
+    encoded = first.encode(texts)
+    assert second._load() is first._load()  # one model per process and device
+    again = second.encode(texts)
+    assert torch.equal(again, encoded)
+    again += 1  # the caller's copy: the memory keeps the encoder's answer
+    assert torch.equal(first.encode(texts), encoded)
+    first.encode(["a"]), first.encode(["b"])  # two other lists push it out (MINILM_MEMO = 2)
+    assert list(texts) not in [list(key[2]) for key in text._MINILM_ENCODED]
+    assert torch.equal(first.encode(texts), encoded)  # encoded again: bit for bit the same
+
+
+def test_minilm_embeddings_kept_on_disk_are_read_back_and_a_broken_file_is_encoded_again(monkeypatch, tmp_path):
+    import models.text as text
+
+    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
+    monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)
+    monkeypatch.setattr(text, "_minilm_disk", [])
+    texts = ["find the 2019 revenue", "check the claim against two sources"]
+    text.MiniLMTextEncoder().encode(texts[:1])  # shorter than MINILM_DISK_MIN_TEXTS: memory only
+    text.keep_encodings_in(tmp_path / "kept")
+    encoded = text.MiniLMTextEncoder().encode(texts)
+    (kept,) = (tmp_path / "kept").glob("*.npy")
+    text._MINILM_ENCODED.clear()
+    monkeypatch.setattr(text.MiniLMTextEncoder, "_load", lambda self: pytest.fail("read from disk, not encoded"))
+    assert torch.equal(text.MiniLMTextEncoder().encode(texts), encoded)
+    monkeypatch.undo()
+    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
+    monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)
+    monkeypatch.setattr(text, "_minilm_disk", [tmp_path / "kept"])
+    kept.write_bytes(b"not an array")
+    assert torch.equal(text.MiniLMTextEncoder().encode(texts), encoded)  # encoded again, bit for bit
+    assert text._read_embeddings(kept, 2, 384) is not None  # and kept again
+    text._MINILM_ENCODED.clear()
+    assert not torch.equal(text.MiniLMTextEncoder().encode(texts[::-1]), encoded)  # another list, another file
+    assert len(list((tmp_path / "kept").glob("*.npy"))) == 2
+
+
 def test_hidden_vectors_are_used_when_the_trace_has_them():
     features = TextFeatures(TextSpec("hidden", 3))
     rows = features([WorkflowPrefix(["a"], hidden=[1.0, 2.0, 3.0]), WorkflowPrefix(["a"])])

@@ -13,7 +13,8 @@ import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.bound import (MISSED, PREFETCH_LP_COST, _eviction_lp, _prefetch_lp,
-                                                 eviction_solution, intervals, upper_bound, upper_bounds)
+                                                 eviction_solution, intervals, row_bounds, upper_bound,
+                                                 upper_bounds)
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
@@ -322,6 +323,24 @@ def test_without_host_or_pcie_time_prefetch_is_eviction():
         assert upper_bounds(events, capacity, 0, pcie).any_tier.hit_tokens == eviction
         assert upper_bounds(events, capacity, max(host, 1), [0] * len(events)).prefetch.hit_tokens == \
             pytest.approx(eviction, abs=1e-3)  # no PCIe time: (P) forces y = 0
+
+
+def test_a_sequence_solved_before_gets_its_bounds_from_memory():
+    rng = random.Random(3)
+    events, capacity, size, host, pcie = random_tiers(rng)
+    while not host or len(intervals(events, capacity)[1]) == 0:
+        events, capacity, size, host, pcie = random_tiers(rng)
+    first = upper_bounds(events, capacity, host, pcie)
+    assert upper_bounds(list(events), capacity, host, pcie) is first  # equal LP inputs: not solved again
+    solved = upper_bounds(events, capacity, host, pcie, reuse=False)
+    assert solved is not first and dataclasses.replace(solved.any_tier, seconds=0) == \
+        dataclasses.replace(first.any_tier, seconds=0)
+    other = upper_bounds(events, capacity, host + 1, pcie)  # any input that differs is its own LP
+    assert other is not first and other.any_tier.hit_tokens >= first.any_tier.hit_tokens - 1e-6
+    assert upper_bounds(events, capacity, host, [p + 1 for p in pcie]) is not first
+    # two replicas with equal sequences share one Bounds and are counted each
+    one, two = row_bounds([first], 1000), row_bounds([first, first], 1000)
+    assert two["bound_rows"] == 2 * one["bound_rows"] and two["bound_intervals"] == 2 * one["bound_intervals"]
 
 
 def test_a_key_brought_back_within_the_pcie_budget():
