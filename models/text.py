@@ -127,6 +127,8 @@ class MiniLMTextEncoder:
         return embeddings.clone()
 
     def _disk_file(self, texts: tuple[str, ...]) -> Path:
+        """Where keep_encodings_in's folder keeps this list's embeddings: named by a digest of the
+        texts and of everything else that decides the floats (settings, package versions)."""
         from importlib.metadata import version
 
         digest = hashlib.blake2b(digest_size=16)
