@@ -156,6 +156,28 @@ def test_same_input_same_summary():
     assert other != runs[0]
 
 
+def test_a_replay_collects_cycles_less_often_and_gives_the_same_summary(monkeypatch):
+    import gc
+
+    from serving_integration.simulator import engine
+
+    workflows = small_workload("hover", 30, 2)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    config = SimConfig(gpu_tokens=60_000, concurrency=8)
+    before = gc.get_threshold()
+    seen = []
+    run = engine.Simulator._replay
+    monkeypatch.setattr(engine.Simulator, "_replay", lambda self: (seen.append(gc.get_threshold()), run(self))[1])
+    raised = simulate(workflows, config, H100, policy="pbkv", predictions=PerfectSource(names, 3))
+    assert seen == [(engine.REPLAY_GC_THRESHOLD, *before[1:])] and gc.get_threshold() == before
+    monkeypatch.setattr(engine, "REPLAY_GC_THRESHOLD", 0)  # the default collector's
+    assert simulate(workflows, config, H100, policy="pbkv", predictions=PerfectSource(names, 3)) == raised
+    assert seen[-1] == before
+    with pytest.raises(RuntimeError), engine.fewer_collections():
+        raise RuntimeError("a failing replay")
+    assert gc.get_threshold() == before  # restored whatever happens
+
+
 def test_a_server_is_driven_from_outside_and_never_calls_back():
     """A replica runs without a Simulator: handed a call, then steps, it returns the completed call;
     the workflow's next call (the first's prompt, its output and a tool result) then hits the
