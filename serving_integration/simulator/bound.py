@@ -308,16 +308,16 @@ def upper_bounds(events: Iterable[Event], capacity: int, host_capacity: int = 0,
     its `seconds` those of the first solve); False solves them again (to time the solver)."""
     started = time.perf_counter()
     free, a, b, s, w, caps = intervals(events, capacity)
-    key = _inputs_key(free, host_capacity, max_lp_intervals, a, b, s, w, caps, pcie) if reuse else None
-    known = _solved.get(key) if reuse else None
-    if known is not None:
+    if not reuse:
+        return _solve_bounds(free, a, b, s, w, caps, host_capacity, pcie, max_lp_intervals, started)
+    key = _inputs_key(free, host_capacity, max_lp_intervals, a, b, s, w, caps, pcie)
+    bounds = _solved.get(key)
+    if bounds is not None:
         _solved.move_to_end(key)
-        return known
-    bounds = _solve_bounds(free, a, b, s, w, caps, host_capacity, pcie, max_lp_intervals, started)
-    if reuse:
-        _solved[key] = bounds
-        if len(_solved) > SOLVED_MEMO:
-            _solved.popitem(last=False)
+        return bounds
+    bounds = _solved[key] = _solve_bounds(free, a, b, s, w, caps, host_capacity, pcie, max_lp_intervals, started)
+    if len(_solved) > SOLVED_MEMO:
+        _solved.popitem(last=False)
     return bounds
 
 
