@@ -214,6 +214,24 @@ def test_plots_name_their_split_and_show_at_most_max_series(tmp_path, monkeypatc
     assert hit[:4] == ["lru", "kvflow", "pbkv_lae", "pbkv"] and hit[-1] == "upper bound (PBKV's requests)"
 
 
+def test_the_plotted_setting_bound_names_its_prefetch_class(tmp_path, monkeypatch):
+    """pbkv's row carries the no-prefetch class's bound; beside a policy that prefetches (kvflow with
+    its own) the line says so, since that policy's class has its own, possibly higher, bound."""
+    from serving_integration.experiments import report
+
+    drawn = {}
+    monkeypatch.setattr(report, "line_plot", lambda path, title, xlabel, ylabel, series, working_set=None, **kw:
+                        drawn.setdefault(path.name, list(series)))
+    for policies, label in ((["lru", "pbkv_lae", "pbkv"], "upper bound (every policy of the setting)"),
+                            (["lru", "kvflow", "pbkv"], "upper bound for policies without prefetch")):
+        drawn.clear()
+        rows = sweep_rows(policies, splits=("test",))
+        for r in rows:
+            r.update(setting_bound_hit_rate=0.6, setting_bound_hit_rate_per_seed=[0.6, 0.6])
+        report.sweep_plots(rows, tmp_path)
+        assert drawn["hover_test_gpu_tokens_hit.png"][-1] == label
+
+
 def test_the_headline_leads_with_latency_at_the_point_chosen_on_val_then_hits_and_the_setting_bound():
     from serving_integration.experiments import report
 
