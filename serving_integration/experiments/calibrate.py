@@ -8,12 +8,13 @@ The model's shape (layers, heads, head size, parameter count, dtype) is read fro
 (config.json and the safetensors header); the hardware's nominal peak FLOP/s, memory bandwidth and
 host-link bandwidth are given. What is fitted (scipy.optimize.least_squares on the times, in seconds) are the
 cost model's free parameters (serving_integration/simulator/cost_model.py): `mfu`,
-`bandwidth_efficiency`, `pcie_efficiency` and `step_overhead_s`, from every successful call of
-calls.jsonl:
+`bandwidth_efficiency`, `pcie_efficiency`, `step_overhead_s` and `request_overhead_s`, from every
+successful call of calls.jsonl:
 
-    TTFT                 = prefill_s(missed, cached) + pcie_s(host hits) + step_overhead_s
+    TTFT                 = request_overhead_s + prefill_s(missed, cached) + pcie_s(host hits) + step_overhead_s
     latency - TTFT       = (output tokens - 1) * decode_step_s(batch, KV tokens)
-                           + the TTFTs of the calls whose prefill ran while this call decoded
+                           + the prefill steps (TTFT less request_overhead_s) of the calls whose
+                             prefill ran while this call decoded
 
 where a call's decode batch is the number of calls in flight during it (from their start and end
 times) and its KV tokens the batch times its context. The preset is written under runs/
@@ -42,10 +43,11 @@ import numpy as np
 from data import CONF_DIR, REPO
 
 ROBUST_SCALE_S = 0.05  # residuals beyond about 50 ms weigh linearly, not quadratically
-FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s")
-START = {"mfu": 0.3, "bandwidth_efficiency": 0.5, "pcie_efficiency": 0.5, "step_overhead_s": 0.01}
+FITTED = ("mfu", "bandwidth_efficiency", "pcie_efficiency", "step_overhead_s", "request_overhead_s")
+START = {"mfu": 0.3, "bandwidth_efficiency": 0.5, "pcie_efficiency": 0.5, "step_overhead_s": 0.01,
+         "request_overhead_s": 0.01}
 BOUNDS = {"mfu": (1e-4, 1.0), "bandwidth_efficiency": (1e-4, 1.0), "pcie_efficiency": (1e-4, 1.0),
-          "step_overhead_s": (1e-5, 1.0)}
+          "step_overhead_s": (1e-5, 1.0), "request_overhead_s": (1e-5, 1.0)}
 # input embedding tables: a lookup per token, no multiply (Kaplan et al. 2020 count parameters without them)
 EMBEDDING_TABLES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 DTYPE_BYTES = {"float32": 4, "F32": 4, "bfloat16": 2, "BF16": 2, "float16": 2, "F16": 2}
@@ -116,11 +118,12 @@ def features(calls: list[dict]) -> dict:
 
 
 def predicted(cost, f: dict) -> tuple[np.ndarray, np.ndarray]:
-    ttft = np.array([cost.prefill_s(int(m), int(c)) + cost.pcie_s(h) + cost.step_overhead_s
-                     for m, c, h in zip(f["missed"], f["cached"], f["host"])])
-    decode = np.array([s * cost.decode_step_s(int(b), k) + ttft[others].sum()
+    prefill = np.array([cost.prefill_s(int(m), int(c)) + cost.pcie_s(h) + cost.step_overhead_s
+                        for m, c, h in zip(f["missed"], f["cached"], f["host"])])
+    # a decoding call waits for other calls' prefill steps, not for their HTTP and tokenization
+    decode = np.array([s * cost.decode_step_s(int(b), k) + prefill[others].sum()
                        for s, b, k, others in zip(f["steps"], f["batch"], f["kv"], f["interrupts"])])
-    return ttft, decode
+    return prefill + cost.request_overhead_s, decode
 
 
 def fit(calls: list[dict], base: dict):
@@ -157,7 +160,7 @@ def preset_yaml(cost, source: str, report: dict) -> str:
 
     lines = [f"# {cost.name}: fitted by `python -m serving_integration.experiments.calibrate` from {source}",
              f"# ({report['calls']} calls; rms residual {report['rms_residual_s']:.3f} s). Nominal peak FLOP/s,",
-             "# memory and host-link bandwidths are inputs; mfu, the efficiencies and step overhead are fitted"
+             "# memory and host-link bandwidths are inputs; mfu, the efficiencies, step and request overheads are fitted"
              + (f"\n# (at a bound, so not identified by that run: {', '.join(report['at_bounds'])})."
                 if report.get("at_bounds") else "."),
              "defaults:", "  - schema                 # serving_integration/simulator/cost_model.py CostModel: "

@@ -141,12 +141,13 @@ def cpu_cost_model():
 
 
 def sped_up(cost, speedup: float):
-    """The cost model of a machine `speedup` times as fast (step overhead / F, peak FLOP/s and memory
-    bandwidth x F; the efficiencies stay shares in [0, 1]): a replay's hit rates depend on how its
-    calls overlap in time."""
+    """The cost model of a machine `speedup` times as fast (step and request overheads / F, peak FLOP/s
+    and memory bandwidth x F; the efficiencies stay shares in [0, 1]): a replay's hit rates depend on
+    how its calls overlap in time."""
     import dataclasses
 
     return dataclasses.replace(cost, step_overhead_s=cost.step_overhead_s / speedup,
+                               request_overhead_s=cost.request_overhead_s / speedup,
                                peak_flops=cost.peak_flops * speedup, mem_bandwidth=cost.mem_bandwidth * speedup)
 
 

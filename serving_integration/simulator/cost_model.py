@@ -3,6 +3,7 @@
     prefill(n new tokens after c cached)  = n * (2 * P + 4 * L * H * D * (c + n / 2)) / (F * mfu)
     decode_step(batch b, KV tokens T)     = overhead + max((W + T * kv) / (B * bw_eff), b * 2 * P / (F * mfu))
     pcie(t tokens)                        = t * kv / (pcie * pcie_eff)
+    request                               = request_overhead_s, once per call before it reaches the queue
 
 P: active parameters; L, H, D: layers, query heads, head size (attention FLOPs grow with the
 context); W: weight bytes; kv: KV bytes per token = 2 * L * kv_heads * D * dtype bytes; F: peak
@@ -41,6 +42,9 @@ class CostModel:
     bandwidth_efficiency: float = knob(0.75, "share of memory bandwidth reached in decode", above(0), at_most(1))
     pcie_efficiency: float = knob(0.8, "share of the host link's bandwidth reached", above(0), at_most(1))
     step_overhead_s: float = knob(0.002, "scheduler + kernel launches per iteration", at_least(0))
+    request_overhead_s: float = knob(0.0, "per call, before the scheduler sees it (the HTTP hops, a router's "
+                                     "included, and tokenization): it delays the call and counts in its TTFT, "
+                                     "while no scheduler step waits on it", at_least(0))
 
     def __post_init__(self):
         check(self)

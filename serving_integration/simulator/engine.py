@@ -298,10 +298,11 @@ class Server:
             self._prefetch(t - self.now, idle_workflows)
             self.now = t
 
-    def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str]) -> None:
-        """wf's next call, issued at time t, arrives; an idle server prefetches through the idle time first."""
+    def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str], issued: float | None = None) -> None:
+        """wf's next call, issued at `issued` (default: t), arrives at t; an idle server prefetches
+        through the idle time first. Its queue time runs from its issue."""
         self.idle_until(t, idle_workflows)
-        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t, server=self,
+        request = Request(wf, wf.calls[wf.next_call], self.now, scheduled=t if issued is None else issued, server=self,
                           queued_at_prefilled=self.prefilled_tokens)
         if self.config.scheduling == "program_fcfs":  # Continuum's: the earliest-started program first
             at = len(self.waiting)
@@ -496,7 +497,7 @@ class Server:
             if r.prefill_left > 0:
                 still.append(r)
                 continue
-            r.ttft = self.now - r.arrival
+            r.ttft = self.now - r.arrival + self.cost.request_overhead_s  # the client waited for it too
             r.decode_left = r.call.output_tokens - 1
             if r.decode_left > 0:
                 self.decoding[r] = None
@@ -699,7 +700,9 @@ class Simulator:
                 server.tracks_workflows = True
         self.pending = deque(workflows)
         self.live: dict[str, SimWorkflow] = {}
-        self.arrivals: list = []  # heap of (time, seq, workflow) of issued calls not yet arrived
+        # heap of (arrival time, seq, workflow, issue time) of issued calls not yet arrived: a call
+        # reaches a server request_overhead_s after its workflow issued it
+        self.arrivals: list = []
         self._seq = itertools.count()
         lost = np.random.default_rng([config.seed, 0xE5D]).random(len(workflows)) < config.end_signal_loss
         self.lost_signal = {w.id for w, x in zip(workflows, lost) if x}
@@ -751,7 +754,8 @@ class Simulator:
                 self._refresh_future(wf)
 
     def _arrive_at(self, t: float, wf: SimWorkflow) -> None:
-        heapq.heappush(self.arrivals, (t, next(self._seq), wf))
+        """wf issues its next call at t."""
+        heapq.heappush(self.arrivals, (t + self.cost.request_overhead_s, next(self._seq), wf, t))
 
     def _refresh_future(self, wf: SimWorkflow) -> None:
         assert self.future is not None, "only the oracle reads the real future"
@@ -801,13 +805,14 @@ class Simulator:
 
     def _arrive(self) -> None:
         """The earliest issued call arrives: routed to a server, queued there."""
-        t, _, wf = heapq.heappop(self.arrivals)
+        t, _, wf, issued = heapq.heappop(self.arrivals)
         self.idle_since.pop(wf.id, None)
         servers = self.servers
         for s in servers:
             if not s.ledger.is_live(wf.id):  # retired by the inactivity timeout: starts afresh
                 s.start_workflow(wf.id)
-        servers[self.router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf, self._idle_workflows())
+        servers[self.router.route(wf, wf.calls[wf.next_call], servers, t)].receive(t, wf, self._idle_workflows(),
+                                                                                 issued)
 
     def _step(self, server: Server, next_event: float) -> None:
         """One scheduler step of `server`; then each completed call finished, then its predictions."""

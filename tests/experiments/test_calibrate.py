@@ -21,7 +21,8 @@ def synthetic_calls(truth: CostModel, n: int = 60, seed: int = 0, stalls: int = 
         cached = int(rng.integers(0, prompt))
         host = int(rng.integers(0, cached + 1))
         out = int(rng.integers(2, 40))
-        ttft = truth.prefill_s(prompt - cached, cached) + truth.pcie_s(host) + truth.step_overhead_s
+        ttft = (truth.request_overhead_s + truth.prefill_s(prompt - cached, cached) + truth.pcie_s(host)
+                + truth.step_overhead_s)
         decode = (out - 1) * truth.decode_step_s(1, prompt + out / 2)
         if i < stalls:
             decode += 2.0
@@ -34,12 +35,32 @@ def synthetic_calls(truth: CostModel, n: int = 60, seed: int = 0, stalls: int = 
 
 @pytest.mark.parametrize("stalls", [0, 3])
 def test_fit_recovers_the_timings_parameters(stalls):
-    truth = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=0.02, pcie_efficiency=0.005, step_overhead_s=0.01)
+    truth = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=0.02, pcie_efficiency=0.005, step_overhead_s=0.01,
+                      request_overhead_s=0.02)
     cost, report = calibrate.fit(synthetic_calls(truth, stalls=stalls), SHAPE)
     assert cost.mfu == pytest.approx(0.3, rel=0.1)
     assert cost.step_overhead_s == pytest.approx(0.01, rel=0.15)
+    assert cost.request_overhead_s == pytest.approx(0.02, rel=0.15)  # in TTFT only, told from the step's
     assert cost.pcie_efficiency == pytest.approx(0.005, rel=0.15)
     assert report["success"]
+
+
+def test_a_decoding_call_waits_for_another_calls_prefill_but_not_its_request_overhead():
+    """Call b's first token comes while a decodes: a's decode time counts b's prefill step, not the
+    HTTP and tokenization b spent before reaching the scheduler."""
+    cost = CostModel(**SHAPE, mfu=0.3, bandwidth_efficiency=0.02, pcie_efficiency=0.005, step_overhead_s=0.01,
+                     request_overhead_s=0.5)
+    a = {"prompt_tokens": 100, "cached_tokens": 0, "completion_tokens": 50, "ttft_s": 0.6, "start_s": 0.0,
+         "end_s": 10.0}
+    b = {"prompt_tokens": 300, "cached_tokens": 100, "completion_tokens": 2, "ttft_s": 0.6, "start_s": 2.0,
+         "end_s": 3.0}
+    for c in (a, b):
+        c["latency_s"] = c["end_s"] - c["start_s"]
+    features = calibrate.features([a, b])
+    ttft, decode = calibrate.predicted(cost, features)
+    prefill_b = cost.prefill_s(200, 100) + cost.step_overhead_s
+    assert ttft[1] == pytest.approx(prefill_b + 0.5)
+    assert decode[0] == pytest.approx(49 * cost.decode_step_s(int(features["batch"][0]), features["kv"][0]) + prefill_b)
 
 
 def test_a_parameter_the_run_cannot_see_is_named(tmp_path):

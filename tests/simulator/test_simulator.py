@@ -156,6 +156,23 @@ def test_same_input_same_summary():
     assert other != runs[0]
 
 
+def test_a_request_overhead_delays_each_call_and_counts_in_its_ttft_and_queue_time():
+    """request_overhead_s (HTTP, tokenization): every call reaches the server that much after its
+    workflow issued it; one workflow alone, so nothing else moves: each TTFT and the queue time grow
+    by it, the latency by it per call, and the cache sees the same calls."""
+    import dataclasses
+
+    workflows = small_workload("hover", 1, 3)
+    calls = len(workflows[0].calls)
+    config = SimConfig(gpu_tokens=120_000, concurrency=1)
+    base = simulate(workflows, config, H100, bound=False)
+    slow = simulate(workflows, config, dataclasses.replace(H100, request_overhead_s=0.25), bound=False)
+    assert slow["mean_workflow_latency_s"] == pytest.approx(base["mean_workflow_latency_s"] + 0.25 * calls)
+    assert slow["mean_ttft_s"] == pytest.approx(base["mean_ttft_s"] + 0.25)
+    assert slow["time_queue_s"] == pytest.approx(base["time_queue_s"] + 0.25 * calls)
+    assert slow["hit_rate"] == base["hit_rate"] and slow["recomputed_tokens"] == base["recomputed_tokens"]
+
+
 def test_a_replay_collects_cycles_less_often_and_gives_the_same_summary(monkeypatch):
     import gc
 
