@@ -128,6 +128,7 @@ class KVFlowFork(_LedgerPolicy):
         self.hold_step, self.load_ahead_step, self.holding = hold_step, load_ahead_step, holding
         self.per_workflow = agent_key == "workflow"
         self.node_agents: dict[int, dict[str, None]] = {}
+        self.agent_nodes: dict[str, dict[int, None]] = {}  # node_agents inverted: agent -> its nodes
         self.last_nodes: dict[str, dict[int, Any]] = {}  # agent -> node id -> node
         self.workflow_steps: dict[str, dict[str, int]] = {}  # workflow -> agent -> fork step
         self.agent_step: dict[str, int] = {}
@@ -180,6 +181,7 @@ class KVFlowFork(_LedgerPolicy):
         self._update_last_nodes(agent, node)
         if finished and agent not in self.node_agents.setdefault(node.id, {}):
             self.node_agents[node.id][agent] = None
+            self.agent_nodes.setdefault(agent, {})[node.id] = None
             self.held.pop(node.id, None)  # hold_priority_version = -1: computed afresh
 
     def _update_last_nodes(self, agent: str, last) -> None:
@@ -203,22 +205,28 @@ class KVFlowFork(_LedgerPolicy):
     def on_split(self, prefix, suffix) -> None:
         if suffix.id in self.node_agents:  # _split_node: new_node.agents = deepcopy(child.agents)
             self.node_agents[prefix.id] = dict(self.node_agents[suffix.id])
+            for agent in self.node_agents[prefix.id]:
+                self.agent_nodes[agent][prefix.id] = None
 
     def forget(self, node) -> None:
-        self.node_agents.pop(node.id, None)
+        for agent in self.node_agents.pop(node.id, ()):
+            self.agent_nodes[agent].pop(node.id, None)
         self.held.pop(node.id, None)
         self.pending.pop(node.id, None)
         for nodes in self.last_nodes.values():
             nodes.pop(node.id, None)
 
     def forget_all(self) -> None:
-        self.node_agents, self.last_nodes, self.held, self.pending = {}, {}, {}, {}
+        self.node_agents, self.agent_nodes, self.last_nodes, self.held, self.pending = {}, {}, {}, {}, {}
 
-    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> bool:
+    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> list[int]:
         """A step update (the fork's /v1/update, merged over workflows by the smallest step): our
-        steps-to-execution k >= 1 is the fork's step k - 1. True when the order changed."""
+        steps-to-execution k >= 1 is the fork's step k - 1. Returns the nodes whose priority it
+        changed: those held since the last update (a new version drops every hold), and those of the
+        agents whose step moved within the tiers (a node's tier is the smallest of its agents' steps
+        capped at hold_step - 1, so a move among the steps at or past the cap changes no tier)."""
         if steps is None:
-            return False
+            return []
         for w, given in zip(workflows, steps):
             self.workflow_steps[w] = {self.agent_id(w, a): k - 1 for a, k in given.items()}
         merged: dict[str, int] = {}
@@ -228,13 +236,20 @@ class KVFlowFork(_LedgerPolicy):
                 continue
             for a, k in self.workflow_steps[w].items():
                 merged[a] = min(merged.get(a, k), k)
-        changed = merged != self.agent_step or bool(self.held)
+        before, held = self.agent_step, self.held
         self.agent_step, self.held = merged, {}  # a new version: cached hold priorities are stale
         self.step_agents = {}
         for a, k in merged.items():
             self.step_agents.setdefault(k, []).append(a)
         self.pending = self._dispatch()
-        return changed
+        if not self.holding:  # DFS order alone: no step changes it
+            return []
+        cap, missing = self.hold_step - 1, self.hold_step + 1
+        changed = dict.fromkeys(held)
+        for a in {**before, **merged}:
+            if min(before.get(a, missing), cap) != min(merged.get(a, missing), cap):
+                changed.update(self.agent_nodes.get(a, {}))
+        return list(changed)
 
     # ---------------------------------------------------------------- its prefetch
 

@@ -450,10 +450,10 @@ class EvictionPolicy:
     def forget_all(self) -> None:
         """The tree was reset (SGLang's flush_cache): no node it knew of is valid any more."""
 
-    def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> bool:
-        """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph);
-        True when every node's priority changed at once."""
-        return False
+    def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> list[int]:
+        """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph); the
+        nodes whose priority it changed."""
+        return []
 
     def attach(self, gpu_tokens: int, prefill_s: Callable[[int, int], float]) -> None:
         """The server's GPU capacity and prefill time (new tokens, cached tokens) -> seconds."""

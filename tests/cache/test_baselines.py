@@ -107,8 +107,10 @@ def test_kvflow_tiers_then_dfs_order_within_a_tier():
     nodes = {a: cache(tree, policy, ledger, "w", a, key)
              for a, key in (("coder", "cc"), ("planner", "pp"), ("tester", "tt"), ("writer", "ww"), ("idle", "ii"))}
     # steps-to-execution k (ours, >= 1) is the fork's step k - 1: coder runs next (step 0)
-    assert policy.on_steps(["w"], [{"coder": 1, "planner": 2, "tester": 3, "writer": 5}])
-    tree.reprioritize()
+    named = policy.on_steps(["w"], [{"coder": 1, "planner": 2, "tester": 3, "writer": 5}])
+    # writer's step 4 and the missing agents' hold_step + 1 are both past the cap: only three tiers moved
+    assert sorted(named) == sorted(nodes[a].id for a in ("coder", "planner", "tester"))
+    tree.refresh_ids(named)
     assert policy.hold(nodes["coder"]) == 0 and policy.hold(nodes["planner"]) == 1
     assert policy.hold(nodes["tester"]) == 2
     assert policy.hold(nodes["writer"]) == 4 and policy.hold(nodes["idle"]) == 5  # missing: hold_step + 1
@@ -183,6 +185,39 @@ def test_kvflow_last_nodes_and_its_prefetch_round():
     assert policy.prefetch_order(tree.by_id, ["w"]) == []
     policy.on_steps(["w"], [{"planner": 2, "coder": 1}])
     assert policy.hold(planner) == 1 and tester.id not in policy.pending  # a new version; tester is not due
+
+
+@pytest.mark.parametrize("hicache_ratio", [2.0, 0.0])
+def test_kvflow_step_update_names_every_node_whose_priority_it_changes(monkeypatch, hicache_ratio):
+    """The simulator re-enters only the nodes a step update names (not the whole tree): on a replay
+    with the fork's prefetch, every node whose priority an update changes is among them, and an
+    update after which nothing moves names no node."""
+    from data.generators import Hover
+    from serving_integration.cache.predictions import AgentStepGraph
+    from serving_integration.cache.workload import workflows_from_rows
+    from serving_integration.simulator.engine import SimConfig, Simulator
+    from tests.simulator.test_simulator import H100
+
+    workflows = workflows_from_rows(Hover().generate(60, seed=3).calls)
+    graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
+    sim = Simulator(workflows, SimConfig(gpu_tokens=20_000, concurrency=8, hicache_ratio=hicache_ratio), H100,
+                    policy="kvflow", predictions=graph, prefetch="kvflow")
+    tree = sim.servers[0].tree
+    update = KVFlowFork.on_steps
+    seen = {"updates": 0, "moved": 0}
+
+    def checked(policy, workflows, steps):
+        before = {node.id: policy.priority(node) for node in tree.nodes()}
+        named = update(policy, workflows, steps)
+        moved = {node.id for node in tree.nodes() if policy.priority(node) != before[node.id]}
+        assert moved <= set(named), f"priority changed, not named: {sorted(moved - set(named))[:5]}"
+        seen["updates"] += 1
+        seen["moved"] += len(moved)
+        return named
+
+    monkeypatch.setattr(KVFlowFork, "on_steps", checked)
+    sim.run()
+    assert seen["updates"] > 100 and seen["moved"] > 0  # the replay exercised real re-tiering
 
 
 # -------------------------------------------------------------------- KVFlow, idealised, without lifecycle
