@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import numpy as np
+
 from serving_integration.cache.config import ContinuumConfig, KvflowConfig
 from serving_integration.cache.policies import EvictionPolicy, KVFlow, WorkflowLedger, _LedgerPolicy, on_gpu, \
     register
@@ -299,6 +301,7 @@ class LRUPrefetch(_LedgerPolicy):
     def __init__(self, ledger: WorkflowLedger):
         super().__init__(ledger)
         self.last_nodes: dict[str, dict[str, Any]] = {}  # workflow -> agent -> its last call's last node
+        self.last_of: dict[int, dict[tuple[str, str], None]] = {}  # node id -> the (workflow, agent) it is last of
         self.finished_at: dict[str, int] = {}  # workflow -> order of its last finished call
         self._calls = 0
 
@@ -308,18 +311,28 @@ class LRUPrefetch(_LedgerPolicy):
     def on_cached(self, node, workflow: str, agent: str, finished: bool) -> None:
         if finished and node is not None and node.parent is not None:
             agents = self.last_nodes.setdefault(workflow, {})
-            agents.pop(agent, None)  # re-inserted last: the most recent agent
+            before = agents.pop(agent, None)  # re-inserted last: the most recent agent
+            if before is not None:
+                self._unlink(before.id, (workflow, agent))
             agents[agent] = node
+            self.last_of.setdefault(node.id, {})[(workflow, agent)] = None
             self._calls += 1
             self.finished_at[workflow] = self._calls
 
+    def _unlink(self, node_id: int, holder: tuple[str, str]) -> None:
+        holders = self.last_of.get(node_id)
+        if holders is not None:
+            holders.pop(holder, None)
+            if not holders:
+                del self.last_of[node_id]
+
     def forget(self, node) -> None:
-        for agents in self.last_nodes.values():
-            for agent in [a for a, n in agents.items() if n is node]:
-                del agents[agent]
+        for workflow, agent in self.last_of.pop(node.id, ()):
+            del self.last_nodes[workflow][agent]
 
     def forget_all(self) -> None:
         self.last_nodes = {w: {} for w in self.last_nodes}
+        self.last_of = {}
 
     def prefetch_order(self, by_id: dict, idle_workflows: Iterable[str]) -> list[tuple[Any, None]]:
         waiting = sorted((w for w in idle_workflows if w in self.last_nodes and self.ledger.is_live(w)),
@@ -368,6 +381,9 @@ class Continuum(_LedgerPolicy):
         self.pinned: dict[int, int] = {}  # node id -> pins holding it
         self.tool_times: dict[str, list[float]] = {}  # agent before the tool call -> its times seen
         self.all_tool_times: list[float] = []
+        # the same times sorted (the CDF's), kept as each comes: a TTL reads them at every finished call
+        self.sorted_times: dict[str, np.ndarray] = {}
+        self.all_sorted_times = np.empty(0)
         self.waiting: dict[str, tuple[float, str]] = {}  # workflow -> (its call finished at, agent)
         self.released: list[int] = []  # nodes whose pin was released since the last on_time
 
@@ -386,15 +402,22 @@ class Continuum(_LedgerPolicy):
         if self.ttl_estimator == "mean":
             t = sum(times) / len(times)
             return min(t, self.max_ttl_s) if reload_s > hold * t else 0.0
-        times = sorted(times)
-        n, best, best_gain, below = len(times), 0.0, 0.0, 0.0
-        for i, t in enumerate(times):
-            below += t  # E[min(T, t)] = (sum of times <= t + t x the count above) / n
-            held = (below + t * (n - i - 1)) / n
-            gain = (i + 1) / n * reload_s - hold * held
-            if gain > best_gain:
-                best, best_gain = t, gain
-        return min(best, self.max_ttl_s)
+        ts = self.sorted_times[agent] if agent in self.tool_times else self.all_sorted_times
+        n = len(ts)
+        below = np.cumsum(ts)  # E[min(T, t_i)] = (sum of times <= t_i + t_i x the count above) / n
+        i = np.arange(n)
+        gain = (i + 1) / n * reload_s - hold * ((below + ts * (n - i - 1)) / n)
+        best = int(np.argmax(gain))  # the first of the largest
+        return min(float(ts[best]), self.max_ttl_s) if gain[best] > 0.0 else 0.0
+
+    def record_tool_time(self, agent: str, seconds: float) -> None:
+        """A tool call that followed a call of `agent` took `seconds`."""
+        self.tool_times.setdefault(agent, []).append(seconds)
+        self.all_tool_times.append(seconds)
+        ts = self.sorted_times.get(agent, self.all_sorted_times[:0])
+        self.sorted_times[agent] = np.insert(ts, np.searchsorted(ts, seconds), seconds)
+        self.all_sorted_times = np.insert(self.all_sorted_times, np.searchsorted(self.all_sorted_times, seconds),
+                                          seconds)
 
     # ---------------------------------------------------------------- pins
 
@@ -445,8 +468,7 @@ class Continuum(_LedgerPolicy):
         waited = self.waiting.pop(workflow, None)
         if waited is not None:
             since, before = waited
-            self.tool_times.setdefault(before, []).append(self.now - since)
-            self.all_tool_times.append(self.now - since)
+            self.record_tool_time(before, self.now - since)
         self.released += self._release(workflow)
         return False
 

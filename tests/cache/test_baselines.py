@@ -6,6 +6,8 @@ import random
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serving_integration.cache.policies import POLICIES, SGLANG_POLICIES, KVFlow, WorkflowLedger, make_policy
 from serving_integration.cache.baselines import FIFO, FILO, MRU, SLRU, Continuum, KVFlowFork, KVFlowNoLifecycle, \
@@ -273,7 +275,8 @@ def continuum(times=(1.0, 2.0, 3.0, 50.0), **options):
     ledger = WorkflowLedger()
     policy = Continuum(ledger, **options)
     policy.attach(10_000, lambda new, cached: new * 0.01)  # 10 ms a token: 1000 tokens reload in 10 s
-    policy.all_tool_times = list(times)
+    for t in times:  # seen after another agent's calls: a coder's TTL reads them all
+        policy.record_tool_time("searcher", t)
     return ledger, policy
 
 
@@ -291,6 +294,30 @@ def test_continuum_ttl_is_the_expected_benefit_maximum_over_the_tool_time_cdf():
     assert policy.ttl("coder", 1000) == 14.0
     _, policy = continuum(times=())
     assert policy.ttl("coder", 1000) == 0.0  # nothing seen yet: no pin
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(times=st.lists(st.floats(0.0, 400.0), min_size=1, max_size=40),
+       tokens=st.integers(1, 30_000), hold_cost=st.floats(0.01, 50.0))
+def test_continuum_ttl_is_what_a_scan_of_the_sorted_times_gives(times, tokens, hold_cost):
+    """The TTL, computed on arrays kept sorted as the times come, is the one a scan of the sorted
+    times for the first largest gain gives (the class docstring's formula, term by term), for an
+    agent with times of its own and for one that falls back to all of them."""
+    ledger = WorkflowLedger()
+    policy = Continuum(ledger, hold_cost=hold_cost)
+    policy.attach(10_000, lambda new, cached: new * 0.01)
+    for i, t in enumerate(times):
+        policy.record_tool_time("coder" if i % 2 else "searcher", t)
+    for agent, seen in (("coder", policy.tool_times.get("coder") or times), ("planner", times)):
+        reload_s, hold = tokens * 0.01, hold_cost * min(tokens / 10_000, 1.0)
+        ordered, n = sorted(seen), len(seen)
+        best, best_gain, below = 0.0, 0.0, 0.0
+        for i, t in enumerate(ordered):
+            below += t
+            gain = (i + 1) / n * reload_s - hold * ((below + t * (n - i - 1)) / n)
+            if gain > best_gain:
+                best, best_gain = t, gain
+        assert policy.ttl(agent, tokens) == min(best, policy.max_ttl_s)
 
 
 def test_continuum_pin_expires_after_its_ttl_and_is_released_at_the_next_call():
