@@ -13,8 +13,9 @@ time, apart from the replay's). The predictive policies run on the perfect predi
 `--checkpoint` (a train.py checkpoint trained on the same workload) pbkv also runs on it, its
 predictions computed once per scheduler step (evaluate.py's `predictor.tabulate=false`) and tabled
 before the replay (the default). A replay's wall time includes computing its table. With
-`--scaling`, a table of wall time, calls per second and peak resident memory of lru and pbkv
-(perfect predictions) at each number of workflows, each replay in a fresh process (its peak is its
+`--scaling`, a table of wall time, calls per second and peak resident memory of lru, pbkv (perfect
+predictions, its default trust judge) and pbkv [always] (the paper's policy: no judge) at each
+number of workflows, each replay in a fresh process (its peak is its
 own, loading the workload included). Then it times evict_gpu on trees of
 growing size (the heap built first), to show how the per-eviction cost grows with n; then runs one
 insert / match / lock / unlock / evict stream through our tree and through SGLang 0.5.23's own
@@ -145,13 +146,17 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             "concurrency": concurrency, "replicas": replicas, "routing": routing, "policies": measured}
 
 
-def one_replay(path: str, policy: str, gpu_tokens: int, concurrency: int) -> tuple:
-    """In a fresh process: load the pickled calls of a generated workload and replay them; (calls,
-    wall s of the replay, hit rate, peak resident MiB of the process)."""
+def one_replay(path: str, label: str, gpu_tokens: int, concurrency: int) -> tuple:
+    """In a fresh process: load the pickled calls of a generated workload and replay them under
+    `label` (a policy, with its trust mode in brackets where not the default); (calls, wall s of
+    the replay, hit rate, peak resident MiB of the process)."""
     with open(path, "rb") as f:
         workflows = workflows_from_rows(pickle.load(f))
     names = vocabulary(c.agent for w in workflows for c in w.calls)
+    policy, _, trust = label.rstrip("]").partition(" [")
     kwargs = {"predictions": PerfectSource(names, 3)} if policy != "lru" else {}
+    if trust:
+        kwargs["policy_options"] = {"trust": trust}
     started = time.perf_counter()
     counters = Simulator(workflows, SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency), H100,
                          policy=policy, **kwargs).run()
@@ -160,10 +165,11 @@ def one_replay(path: str, policy: str, gpu_tokens: int, concurrency: int) -> tup
     return sum(len(w.calls) for w in workflows), wall, counters.gpu_hit_tokens / counters.prompt_tokens, peak_mib
 
 
-def scaling(workload: str, sizes: list[int], gpu_tokens: int, concurrency: int, policies=("lru", "pbkv")) -> dict:
+def scaling(workload: str, sizes: list[int], gpu_tokens: int, concurrency: int,
+            policies=("lru", "pbkv", "pbkv [always]")) -> dict:
     print(f"\nscaling: {workload}, gpu_tokens={gpu_tokens}, concurrency={concurrency}, pbkv on perfect predictions; "
           "each replay in a fresh process (peak: that process, loading the workload included)")
-    print(f"{'workflows':>10} {'policy':>8} {'calls':>9} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'peak MiB':>9}")
+    print(f"{'workflows':>10} {'policy':>14} {'calls':>9} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'peak MiB':>9}")
     context = multiprocessing.get_context("spawn")
     rows = []
     for n in sizes:
@@ -174,7 +180,7 @@ def scaling(workload: str, sizes: list[int], gpu_tokens: int, concurrency: int, 
             for policy in policies:
                 with context.Pool(1) as pool:
                     calls, wall, hit, peak = pool.apply(one_replay, (path, policy, gpu_tokens, concurrency))
-                print(f"{n:>10} {policy:>8} {calls:>9} {wall:8.2f} {calls / wall:9.0f} {hit:9.1%} {peak:9.0f}")
+                print(f"{n:>10} {policy:>14} {calls:>9} {wall:8.2f} {calls / wall:9.0f} {hit:9.1%} {peak:9.0f}")
                 rows.append({"workflows": n, "policy": policy, "calls": calls, "wall_s": wall,
                              "calls_per_s": calls / wall, "hit_rate": hit, "peak_mib": peak})
     return {"workload": workload, "gpu_tokens": gpu_tokens, "concurrency": concurrency, "rows": rows}
@@ -325,7 +331,7 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: 
                                 for m in speed["policies"]]})
     if grown:
         tables.append({"title": f"as the work grows: {grown['workload']}, {grown['gpu_tokens']:,} GPU tokens, "
-                                f"{grown['concurrency']} live workflows (pbkv: perfect predictions; each replay in a "
+                                f"{grown['concurrency']} live workflows (pbkv: perfect predictions, its default trust judge; [always]: no judge; each replay in a "
                                 "fresh process, peak memory includes loading the workload)",
                        "head": ["workflows", "policy", "calls", "wall s", "calls/s", "GPU hit rate", "peak MiB"],
                        "rows": [[f"{r['workflows']:,}", r["policy"], f"{r['calls']:,}", f"{r['wall_s']:.1f}",
