@@ -331,8 +331,9 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: 
                                 for m in speed["policies"]]})
     if grown:
         tables.append({"title": f"as the work grows: {grown['workload']}, {grown['gpu_tokens']:,} GPU tokens, "
-                                f"{grown['concurrency']} live workflows (pbkv: perfect predictions, its default trust judge; [always]: no judge; each replay in a "
-                                "fresh process, peak memory includes loading the workload)",
+                                f"{grown['concurrency']} live workflows (pbkv: perfect predictions, its default trust "
+                                "judge; [always]: no judge; each replay in a fresh process, peak memory includes "
+                                "loading the workload)",
                        "head": ["workflows", "policy", "calls", "wall s", "calls/s", "GPU hit rate", "peak MiB"],
                        "rows": [[f"{r['workflows']:,}", r["policy"], f"{r['calls']:,}", f"{r['wall_s']:.1f}",
                                  f"{r['calls_per_s']:,.0f}", f"{r['hit_rate']:.1%}", f"{r['peak_mib']:,.0f}"]
