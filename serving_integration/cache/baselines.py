@@ -130,7 +130,8 @@ class KVFlowFork(_LedgerPolicy):
         self.hold_step, self.load_ahead_step, self.holding = hold_step, load_ahead_step, holding
         self.per_workflow = agent_key == "workflow"
         self.node_agents: dict[int, dict[str, None]] = {}
-        self.agent_nodes: dict[str, dict[int, None]] = {}  # node_agents inverted: agent -> its nodes
+        self.agent_nodes: dict[str, dict[int, Any]] = {}  # node_agents inverted: agent -> node id -> node
+        self.moved: dict[int, Any] = {}  # nodes split above since the last re-tiering: their DFS positions grew
         self.last_nodes: dict[str, dict[int, Any]] = {}  # agent -> node id -> node
         self.workflow_steps: dict[str, dict[str, int]] = {}  # workflow -> agent -> fork step
         self.agent_step: dict[str, int] = {}
@@ -183,7 +184,7 @@ class KVFlowFork(_LedgerPolicy):
         self._update_last_nodes(agent, node)
         if finished and agent not in self.node_agents.setdefault(node.id, {}):
             self.node_agents[node.id][agent] = None
-            self.agent_nodes.setdefault(agent, {})[node.id] = None
+            self.agent_nodes.setdefault(agent, {})[node.id] = node
             self.held.pop(node.id, None)  # hold_priority_version = -1: computed afresh
 
     def _update_last_nodes(self, agent: str, last) -> None:
@@ -208,11 +209,13 @@ class KVFlowFork(_LedgerPolicy):
         if suffix.id in self.node_agents:  # _split_node: new_node.agents = deepcopy(child.agents)
             self.node_agents[prefix.id] = dict(self.node_agents[suffix.id])
             for agent in self.node_agents[prefix.id]:
-                self.agent_nodes[agent][prefix.id] = None
+                self.agent_nodes[agent][prefix.id] = prefix
+        self.moved[suffix.id] = suffix
 
     def forget(self, node) -> None:
         for agent in self.node_agents.pop(node.id, ()):
             self.agent_nodes[agent].pop(node.id, None)
+        self.moved.pop(node.id, None)
         self.held.pop(node.id, None)
         self.pending.pop(node.id, None)
         for nodes in self.last_nodes.values():
@@ -220,13 +223,18 @@ class KVFlowFork(_LedgerPolicy):
 
     def forget_all(self) -> None:
         self.node_agents, self.agent_nodes, self.last_nodes, self.held, self.pending = {}, {}, {}, {}, {}
+        self.moved = {}
 
-    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> list[int]:
+    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> list:
         """A step update (the fork's /v1/update, merged over workflows by the smallest step): our
-        steps-to-execution k >= 1 is the fork's step k - 1. Returns the nodes whose priority it
-        changed: those held since the last update (a new version drops every hold), and those of the
-        agents whose step moved within the tiers (a node's tier is the smallest of its agents' steps
-        capped at hold_step - 1, so a move among the steps at or past the cap changes no tier)."""
+        steps-to-execution k >= 1 is the fork's step k - 1. When it changes the order (new steps, or
+        holds to drop) returns the nodes whose priority is to be computed again now: those held
+        since the last update (a new version drops every hold), those of the agents whose step moved
+        within the tiers (a node's tier is the smallest of its agents' steps capped at hold_step -
+        1, so a move among the steps at or past the cap changes no tier), and every node below a
+        split since then (its DFS position grew by the prefix's creation time). That is every node
+        whose priority differs from the one the heaps hold, as a rebuild of the whole tree would
+        find."""
         if steps is None:
             return []
         for w, given in zip(workflows, steps):
@@ -239,19 +247,29 @@ class KVFlowFork(_LedgerPolicy):
             for a, k in self.workflow_steps[w].items():
                 merged[a] = min(merged.get(a, k), k)
         before, held = self.agent_step, self.held
+        changed = merged != before or bool(held)
         self.agent_step, self.held = merged, {}  # a new version: cached hold priorities are stale
         self.step_agents = {}
         for a, k in merged.items():
             self.step_agents.setdefault(k, []).append(a)
         self.pending = self._dispatch()
-        if not self.holding:  # DFS order alone: no step changes it
+        if not changed:
             return []
-        cap, missing = self.hold_step - 1, self.hold_step + 1
-        changed = dict.fromkeys(held)
-        for a in {**before, **merged}:
-            if min(before.get(a, missing), cap) != min(merged.get(a, missing), cap):
-                changed.update(self.agent_nodes.get(a, {}))
-        return list(changed)
+        nodes: dict[int, Any] = {}
+        if self.holding:  # else DFS order alone: no step changes it
+            cap, missing = self.hold_step - 1, self.hold_step + 1
+            nodes.update(dict.fromkeys(held))
+            for a in {**before, **merged}:
+                if min(before.get(a, missing), cap) != min(merged.get(a, missing), cap):
+                    nodes.update(self.agent_nodes.get(a, {}))
+        moved, self.moved = self.moved, {}
+        for top in moved.values():
+            stack = [top]
+            while stack:
+                node = stack.pop()
+                nodes[node.id] = node
+                stack.extend(node.children.values())
+        return list(nodes)
 
     # ---------------------------------------------------------------- its prefetch
 

@@ -452,7 +452,7 @@ class EvictionPolicy:
 
     def on_steps(self, workflows: Sequence[str], steps: Sequence[dict[str, int]] | None) -> list[int]:
         """A batch of predictions (steps: each workflow's steps-to-execution, from a step graph); the
-        nodes whose priority it changed."""
+        nodes whose priority is to be computed again now."""
         return []
 
     def attach(self, gpu_tokens: int, prefill_s: Callable[[int, int], float]) -> None:

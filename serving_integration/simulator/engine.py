@@ -593,7 +593,7 @@ class Server:
             changed = self.ledger.set_predictions(ids, names, probs, steps)
             if self.policy.reads_times:
                 self.tree.refresh_ids(self.policy.on_predictions(ids, names, probs, seconds, self.now))
-        self.tree.refresh_ids(self.policy.on_steps(ids, steps))  # kvflow: the nodes a step update re-tiers
+        self.tree.reprioritize_ids(self.policy.on_steps(ids, steps))  # kvflow: the nodes a step update re-ranks
         self.tree.refresh_ids(self.policy.changed_by(changed))
         self.counters.predictor_calls += 1
         self.counters.predictor_time_s += measured

@@ -154,6 +154,15 @@ class RadixTree:
         heapq.heapify(host)
         self._gpu_heap, self._host_heap = gpu, host
 
+    def reprioritize_ids(self, node_ids: Iterable[int]) -> None:
+        """These nodes' priorities changed at once: re-entered now, with their priorities now (as
+        `reprioritize` would, for the nodes whose priority it would change); none named, nothing
+        entered (a node refreshed before waits for the next eviction, as always)."""
+        node_ids = list(node_ids)
+        if node_ids:
+            self.refresh_ids(node_ids)
+            self._flush()
+
     def refresh_many(self, nodes: Iterable[Node]) -> None:
         for node in nodes:
             if node.parent is not None:

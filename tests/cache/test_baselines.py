@@ -112,7 +112,7 @@ def test_kvflow_tiers_then_dfs_order_within_a_tier():
     named = policy.on_steps(["w"], [{"coder": 1, "planner": 2, "tester": 3, "writer": 5}])
     # writer's step 4 and the missing agents' hold_step + 1 are both past the cap: only three tiers moved
     assert sorted(named) == sorted(nodes[a].id for a in ("coder", "planner", "tester"))
-    tree.refresh_ids(named)
+    tree.reprioritize_ids(named)
     assert policy.hold(nodes["coder"]) == 0 and policy.hold(nodes["planner"]) == 1
     assert policy.hold(nodes["tester"]) == 2
     assert policy.hold(nodes["writer"]) == 4 and policy.hold(nodes["idle"]) == 5  # missing: hold_step + 1
@@ -190,10 +190,13 @@ def test_kvflow_last_nodes_and_its_prefetch_round():
 
 
 @pytest.mark.parametrize("hicache_ratio", [2.0, 0.0])
-def test_kvflow_step_update_names_every_node_whose_priority_it_changes(monkeypatch, hicache_ratio):
-    """The simulator re-enters only the nodes a step update names (not the whole tree): on a replay
-    with the fork's prefetch, every node whose priority an update changes is among them, and an
-    update after which nothing moves names no node."""
+def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(monkeypatch, hicache_ratio):
+    """The simulator re-ranks only the nodes a step update names (not the whole tree): on a replay
+    with the fork's prefetch, after every update that changes the order each evictable node's
+    entry in the heaps holds the priority a rebuild of the whole tree would give it. (This replay
+    checks the tiers and holds; a split above an evictable leaf, which lengthens its DFS position,
+    it does not produce: the regime step's tau-bench replay at 0.5x and 64 live did, and its
+    summary is the rebuild's.)"""
     from data.generators import Hover
     from serving_integration.cache.predictions import AgentStepGraph
     from serving_integration.cache.workload import workflows_from_rows
@@ -205,21 +208,24 @@ def test_kvflow_step_update_names_every_node_whose_priority_it_changes(monkeypat
     sim = Simulator(workflows, SimConfig(gpu_tokens=20_000, concurrency=8, hicache_ratio=hicache_ratio), H100,
                     policy="kvflow", predictions=graph, prefetch="kvflow")
     tree = sim.servers[0].tree
-    update = KVFlowFork.on_steps
-    seen = {"updates": 0, "moved": 0}
+    rerank = RadixTree.reprioritize_ids
+    seen = {"updates": 0, "named": 0}
 
-    def checked(policy, workflows, steps):
-        before = {node.id: policy.priority(node) for node in tree.nodes()}
-        named = update(policy, workflows, steps)
-        moved = {node.id for node in tree.nodes() if policy.priority(node) != before[node.id]}
-        assert moved <= set(named), f"priority changed, not named: {sorted(moved - set(named))[:5]}"
+    def checked(self, node_ids):
+        node_ids = list(node_ids)
+        rerank(self, node_ids)
+        if not node_ids:
+            return
+        held = {seq: priority for priority, seq, _ in self._gpu_heap}
+        for node in self.nodes():
+            if self.gpu_evictable(node):
+                assert held[node._gpu_entry] == self.priority(node), f"{node}: a stale priority in the heap"
         seen["updates"] += 1
-        seen["moved"] += len(moved)
-        return named
+        seen["named"] += len(node_ids)
 
-    monkeypatch.setattr(KVFlowFork, "on_steps", checked)
+    monkeypatch.setattr(RadixTree, "reprioritize_ids", checked)
     sim.run()
-    assert seen["updates"] > 100 and seen["moved"] > 0  # the replay exercised real re-tiering
+    assert tree.nodes() and seen["updates"] > 100 and seen["named"] > 0  # the replay re-ranked nodes
 
 
 # -------------------------------------------------------------------- KVFlow, idealised, without lifecycle
