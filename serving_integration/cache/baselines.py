@@ -225,7 +225,7 @@ class KVFlowFork(_LedgerPolicy):
         self.node_agents, self.agent_nodes, self.last_nodes, self.held, self.pending = {}, {}, {}, {}, {}
         self.moved = {}
 
-    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> list:
+    def on_steps(self, workflows: Iterable[str], steps: Iterable[dict[str, int]] | None) -> list[int]:
         """A step update (the fork's /v1/update, merged over workflows by the smallest step): our
         steps-to-execution k >= 1 is the fork's step k - 1. When it changes the order (new steps, or
         holds to drop) returns the nodes whose priority is to be computed again now: those held

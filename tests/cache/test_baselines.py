@@ -207,7 +207,6 @@ def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(monkeypatch, hic
     graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
     sim = Simulator(workflows, SimConfig(gpu_tokens=20_000, concurrency=8, hicache_ratio=hicache_ratio), H100,
                     policy="kvflow", predictions=graph, prefetch="kvflow")
-    tree = sim.servers[0].tree
     rerank = RadixTree.reprioritize_ids
     seen = {"updates": 0, "named": 0}
 
@@ -225,7 +224,7 @@ def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(monkeypatch, hic
 
     monkeypatch.setattr(RadixTree, "reprioritize_ids", checked)
     sim.run()
-    assert tree.nodes() and seen["updates"] > 100 and seen["named"] > 0  # the replay re-ranked nodes
+    assert seen["updates"] > 100 and seen["named"] > 0  # the replay re-ranked nodes
 
 
 # -------------------------------------------------------------------- KVFlow, idealised, without lifecycle
