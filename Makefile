@@ -18,7 +18,10 @@ TRACES := $(or $(PBKV_TRACES_DIR),data/traces)
 
 .PHONY: setup demo test test-fast results results-pages serve clean
 
+# setup also compiles the replay's hot modules from their current source (serving_integration/compiled.py;
+# a second when nothing changed; PBKV_COMPILED=0 skips it and runs them interpreted).
 setup: $(STAMP)
+	@$(PY) -m serving_integration.build_compiled
 
 # torch first, then everything under the same constraints file, so no CUDA torch is pulled.
 $(STAMP): requirements.txt requirements-sglang.txt constraints.txt pyproject.toml

@@ -304,6 +304,17 @@ def tree_vs_sglang(n_ops: int = 20_000) -> dict:
     return {"ops": n_ops, "ours_ops_per_s": n_ops / ours, "sglang_ops_per_s": n_ops / theirs, "ratio": theirs / ours}
 
 
+def how_compiled() -> str:
+    """Whether the replay's hot modules run from their Cython builds (serving_integration/compiled.py)."""
+    import importlib
+
+    from serving_integration.compiled import MODULES
+
+    built = sum(not importlib.import_module(name).__file__.endswith(".py") for name in MODULES)
+    return f"its hot modules compiled ({built} of {len(MODULES)}: serving_integration/compiled.py)" if built \
+        else "its hot modules interpreted"
+
+
 def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: dict | None = None) -> dict:
     """The figures and tables of the results page (experiments.results, a `bench` step)."""
     figures, tables = [], []
@@ -356,7 +367,8 @@ def results_json(speed: dict | None, evictions: dict | None, tree: dict, grown: 
                             ["SGLang RadixCache", f"{tree['sglang_ops_per_s']:,.0f}"]]})
     return {"about": "benchmarks/simulator_speed.py: the serving simulator per policy (perfect predictions for "
                      "pbkv unless a row names a predictor), as the number of workflows grows, one eviction as the "
-                     "tree grows, and our radix tree against SGLang's. One process on a shared 2-core machine.",
+                     "tree grows, and our radix tree against SGLang's. One process on a shared 2-core machine; "
+                     f"the simulator ran with {how_compiled()}.",
             "figures": figures, "tables": tables}
 
 
@@ -377,6 +389,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures and tables for the results page here")
     args = parser.parse_args()
     speed = evictions = grown = None
+    print(f"the simulator runs with {how_compiled()}")
     if not args.only_tree_vs_sglang:
         speed = policy_speed(args.workload, args.n_workflows, args.gpu_tokens, args.concurrency, args.replicas,
                              args.routing, args.checkpoint, args.trust_repeats)

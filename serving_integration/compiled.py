@@ -1,0 +1,141 @@
+"""The replay's hot modules, compiled by Cython from their own source files, and the import hook
+that serves a compiled module only while it is the build of the source as it is now.
+
+    python -m serving_integration.build_compiled          # what `make setup` runs (a second when up to date)
+    python -m serving_integration.build_compiled status   # which modules run compiled
+
+Nothing here is a second implementation: the files of `MODULES` are compiled as they are (Cython,
+annotations ignored, so the compiled code keeps Python's semantics: the same ints, floats and dict
+types, and every replay gives the same numbers; tests/simulator/test_compiled.py compares them), into
+`BUILD_DIR`, each extension named by a digest of the source bytes it was built from. At import,
+`CompiledFinder` looks for the extension whose digest is that of the .py file now: an edited module
+runs interpreted until the next build, never a stale build. PBKV_COMPILED=0 turns both the build
+and the hook off (to profile the Python with cProfile or py-spy, which do not see into the
+extensions, or to compare the two).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# Where the replay spends its time (benchmarks/simulator_speed.py): the event loop and the tree, the
+# bound's interval extraction, the policies, the trust judge, the predictions' tables, the field's
+# baselines, the router, the workload's calls
+MODULES = (
+    "serving_integration.simulator.engine",
+    "serving_integration.simulator.radix",
+    "serving_integration.simulator.bound",
+    "serving_integration.cache.policies",
+    "serving_integration.cache.trust",
+    "serving_integration.cache.predictions",
+    "serving_integration.cache.baselines",
+    "serving_integration.cache.router",
+    "serving_integration.cache.workload",
+)
+# Python semantics kept whole: annotations are not C types (Cython would otherwise reject a
+# defaultdict where a dict is annotated), division and indexing checked as in Python
+DIRECTIVES = {"language_level": 3, "annotation_typing": False, "binding": True}
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = ROOT / ".cache" / "compiled"
+SWITCH = "PBKV_COMPILED"  # "0": interpreted, no build
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def source_file(name: str) -> Path:
+    return ROOT.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def digest(source: bytes) -> str:
+    """Names a build: the source's bytes and the directives it was compiled with."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(repr(sorted(DIRECTIVES.items())).encode() + b"\x00" + source)
+    return h.hexdigest()
+
+
+def build_file(name: str, source: bytes) -> Path:
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]  # this interpreter's ABI, e.g. .cpython-311-x86_64-linux-gnu.so
+    return BUILD_DIR / f"{name}.{digest(source)}{suffix}"
+
+
+def compiled_path(name: str, source: bytes | None = None) -> Path | None:
+    """The build of module `name` from `source` (default: its .py file now), or None if there is none."""
+    if source is None:
+        try:
+            source = source_file(name).read_bytes()
+        except OSError:
+            return None
+    path = build_file(name, source)
+    return path if path.is_file() else None
+
+
+class CompiledFinder(importlib.abc.MetaPathFinder):
+    """Serves a module of MODULES from its build when the build is of its current source; else
+    returns None and the normal finders load the .py."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MODULES:
+            return None
+        built = compiled_path(fullname)
+        if built is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(built))
+        return importlib.util.spec_from_file_location(fullname, built, loader=loader)
+
+
+def install() -> None:
+    """Put the finder first on sys.meta_path (serving_integration/__init__.py does, once)."""
+    if enabled() and not any(isinstance(f, CompiledFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, CompiledFinder())
+
+
+def build(jobs: int = 2) -> list[str]:
+    """Compile every module of MODULES whose current source has no build; remove builds of older
+    sources. Each extension is compiled from a copy of the bytes it is named by and moved into
+    BUILD_DIR whole (os.replace), so a file there is always a complete build of its digest's source.
+    Returns the modules built."""
+    from Cython.Build import cythonize
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    todo = {name: source_file(name).read_bytes() for name in MODULES}
+    todo = {name: source for name, source in todo.items() if compiled_path(name, source) is None}
+    if todo:
+        with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
+            extensions = []
+            for name, source in todo.items():
+                copy = Path(tmp, "src", *name.split(".")).with_suffix(".py")
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                copy.write_bytes(source)
+                extensions.append(Extension(name, [str(copy)]))
+            modules = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir=str(Path(tmp, "c")),
+                                quiet=True, force=True, nthreads=jobs)
+            command = build_ext(Distribution({"ext_modules": modules}))
+            command.build_lib, command.build_temp, command.parallel = str(Path(tmp, "lib")), str(Path(tmp, "o")), jobs
+            command.ensure_finalized()
+            command.run()
+            for name, source in todo.items():
+                os.replace(command.get_ext_fullpath(name), build_file(name, source))
+    current = {build_file(name, source_file(name).read_bytes()).name for name in MODULES}
+    for old in BUILD_DIR.iterdir():
+        if old.is_file() and old.name not in current:
+            old.unlink()
+    return list(todo)
+
+
+def status() -> dict[str, str]:
+    """Per module: the build it runs from, or why it runs interpreted."""
+    if not enabled():
+        return {name: f"interpreted ({SWITCH}=0)" for name in MODULES}
+    return {name: str(compiled_path(name) or "interpreted (no build of the current source: make setup)")
+            for name in MODULES}

@@ -1,0 +1,61 @@
+"""The replay's hot modules run from their Cython builds (serving_integration/compiled.py), only while
+a build is of the source as it is now, and give the numbers the interpreted modules give."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from serving_integration import compiled
+from tests.simulator.test_replay_golden import CASES, H100, SimConfig, simulate, small_workload, sources
+
+INTERPRETED = os.environ.get(compiled.SWITCH) == "0"
+
+
+def summaries() -> str:
+    """Every golden case replayed whole (the bound included: bound.py is compiled too), as JSON."""
+    rows = {}
+    for name, (kind, n, seed, config, policy) in CASES.items():
+        workflows = small_workload(kind, n, seed)
+        policy = dict(policy)
+        if "predictions" in policy:
+            policy["predictions"] = sources(kind, workflows)[policy["predictions"]]()
+        rows[name] = simulate(workflows, SimConfig(**config), H100, **policy)
+    return json.dumps(rows, sort_keys=True)
+
+
+@pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: the modules run interpreted")
+def test_the_hot_modules_run_from_their_builds_of_the_current_source():
+    for name in compiled.MODULES:
+        module = importlib.import_module(name)
+        built = compiled.compiled_path(name)
+        assert built is not None, f"{name}: no build of its current source (make setup builds it)"
+        assert module.__file__ == str(built), f"{name} runs from {module.__file__}"
+
+
+def test_an_edited_source_is_not_served_an_older_build():
+    name = "serving_integration.simulator.engine"
+    source = compiled.source_file(name).read_bytes()
+    assert compiled.compiled_path(name, source + b"\n# edited\n") is None
+    finder = compiled.CompiledFinder()
+    assert finder.find_spec("serving_integration.simulator.config") is None  # not a compiled module
+    if not INTERPRETED:
+        assert finder.find_spec(name).origin == str(compiled.compiled_path(name))
+
+
+@pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: nothing compiled to compare")
+def test_compiled_and_interpreted_replays_give_the_same_summaries():
+    """Every golden replay's whole summary (latencies, hits, the three bounds), compiled in this
+    process and interpreted in another, equal to the last bit."""
+    env = {**os.environ, compiled.SWITCH: "0"}
+    script = ("import sys; from serving_integration import compiled; "
+              "from serving_integration.simulator import engine; assert engine.__file__.endswith('.py'); "
+              "from tests.simulator.test_compiled import summaries; sys.stdout.write(summaries())")
+    interpreted = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                 check=True, cwd=compiled.ROOT).stdout
+    assert json.loads(summaries()) == json.loads(interpreted)
