@@ -16,6 +16,7 @@ extensions, or to compare the two).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -78,6 +79,14 @@ def compiled_path(name: str, source: bytes | None = None) -> Path | None:
     return path if path.is_file() else None
 
 
+class CompiledLoader(importlib.machinery.ExtensionFileLoader):
+    """Loads a build; its source is the .py it was built from, so tracebacks and `inspect` show
+    that file's lines."""
+
+    def get_source(self, fullname):
+        return source_file(fullname).read_text()
+
+
 class CompiledFinder(importlib.abc.MetaPathFinder):
     """Serves a module of MODULES from its build when the build is of its current source; else
     returns None and the normal finders load the .py."""
@@ -88,7 +97,7 @@ class CompiledFinder(importlib.abc.MetaPathFinder):
         built = compiled_path(fullname)
         if built is None:
             return None
-        loader = importlib.machinery.ExtensionFileLoader(fullname, str(built))
+        loader = CompiledLoader(fullname, str(built))
         return importlib.util.spec_from_file_location(fullname, built, loader=loader)
 
 
@@ -117,9 +126,12 @@ def build(jobs: int = 2) -> list[str]:
                 copy = Path(tmp, "src", *name.split(".")).with_suffix(".py")
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 copy.write_bytes(source)
-                extensions.append(Extension(name, [str(copy)]))
-            modules = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir=str(Path(tmp, "c")),
-                                quiet=True, force=True, nthreads=jobs)
+                extensions.append(Extension(name, [str(copy.relative_to(Path(tmp, "src")))]))
+            # from inside the copies' root, Cython records each file as serving_integration/...py: a
+            # traceback then shows the lines of the real file (on sys.path), which is that very source
+            with contextlib.chdir(Path(tmp, "src")):
+                modules = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir=str(Path(tmp, "c")),
+                                    quiet=True, force=True, nthreads=jobs)
             command = build_ext(Distribution({"ext_modules": modules}))
             command.build_lib, command.build_temp, command.parallel = str(Path(tmp, "lib")), str(Path(tmp, "o")), jobs
             command.ensure_finalized()

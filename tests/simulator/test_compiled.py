@@ -59,3 +59,14 @@ def test_compiled_and_interpreted_replays_give_the_same_summaries():
     interpreted = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                                  check=True, cwd=compiled.ROOT).stdout
     assert json.loads(summaries()) == json.loads(interpreted)
+
+
+def test_a_traceback_through_a_compiled_module_shows_its_source_lines():
+    import traceback
+
+    from serving_integration.cache.workload import workflows_from_rows
+
+    with pytest.raises(KeyError) as raised:
+        workflows_from_rows([{"not a field": 1}])
+    text = "".join(traceback.format_exception(raised.value))
+    assert 'workflows.get(row["workflow_id"])' in text, text
