@@ -12,21 +12,14 @@ import sys
 import pytest
 
 from serving_integration import compiled
-from tests.simulator.test_replay_golden import CASES, H100, SimConfig, simulate, small_workload, sources
+from tests.simulator.test_replay_golden import CASES, replay
 
 INTERPRETED = os.environ.get(compiled.SWITCH) == "0"
 
 
 def summaries() -> str:
-    """Every golden case replayed whole (the bound included: bound.py is compiled too), as JSON."""
-    rows = {}
-    for name, (kind, n, seed, config, policy) in CASES.items():
-        workflows = small_workload(kind, n, seed)
-        policy = dict(policy)
-        if "predictions" in policy:
-            policy["predictions"] = sources(kind, workflows)[policy["predictions"]]()
-        rows[name] = simulate(workflows, SimConfig(**config), H100, **policy)
-    return json.dumps(rows, sort_keys=True)
+    """Every golden case replayed whole (the bounds included: bound.py is compiled too), as JSON."""
+    return json.dumps({name: replay(name, whole=True) for name in CASES}, sort_keys=True)
 
 
 @pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: the modules run interpreted")
