@@ -308,9 +308,11 @@ def how_compiled() -> str:
     """Whether the replay's hot modules run from their Cython builds (serving_integration/compiled.py)."""
     import importlib
 
-    from serving_integration.compiled import MODULES
+    from serving_integration.compiled import MODULES, loaded
 
-    built = sum(not importlib.import_module(name).__file__.endswith(".py") for name in MODULES)
+    for name in MODULES:
+        importlib.import_module(name)
+    built = len(loaded())
     return f"its hot modules compiled ({built} of {len(MODULES)}: serving_integration/compiled.py)" if built \
         else "its hot modules interpreted"
 

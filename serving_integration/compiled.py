@@ -119,8 +119,8 @@ def build(jobs: int = 2) -> list[str]:
     from setuptools.command.build_ext import build_ext
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    todo = {name: source_file(name).read_bytes() for name in MODULES}
-    todo = {name: source for name, source in todo.items() if compiled_path(name, source) is None}
+    sources = {name: source_file(name).read_bytes() for name in MODULES}
+    todo = {name: source for name, source in sources.items() if compiled_path(name, source) is None}
     if todo:
         with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
             extensions = []
@@ -140,11 +140,16 @@ def build(jobs: int = 2) -> list[str]:
             command.run()
             for name, source in todo.items():
                 os.replace(command.get_ext_fullpath(name), build_file(name, source))
-    current = {build_file(name, source_file(name).read_bytes()).name for name in MODULES}
+    current = {build_file(name, source).name for name, source in sources.items()}
     for old in BUILD_DIR.iterdir():
         if old.is_file() and old.name not in current:
             old.unlink()
     return list(todo)
+
+
+def loaded() -> list[str]:
+    """The modules of MODULES this process imported from their builds."""
+    return [name for name in MODULES if not str(getattr(sys.modules.get(name), "__file__", ".py")).endswith(".py")]
 
 
 def status() -> dict[str, str]:

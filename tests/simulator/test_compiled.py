@@ -29,6 +29,7 @@ def test_the_hot_modules_run_from_their_builds_of_the_current_source():
         built = compiled.compiled_path(name)
         assert built is not None, f"{name}: no build of its current source (make setup builds it)"
         assert module.__file__ == str(built), f"{name} runs from {module.__file__}"
+    assert compiled.loaded() == list(compiled.MODULES)
 
 
 def test_an_edited_source_is_not_served_an_older_build():
@@ -47,7 +48,7 @@ def test_compiled_and_interpreted_replays_give_the_same_summaries():
     process and interpreted in another, equal to the last bit."""
     env = {**os.environ, compiled.SWITCH: "0"}
     script = ("import sys; from serving_integration import compiled; "
-              "from serving_integration.simulator import engine; assert engine.__file__.endswith('.py'); "
+              "from serving_integration.simulator import engine; assert not compiled.loaded(); "
               "from tests.simulator.test_compiled import summaries; sys.stdout.write(summaries())")
     interpreted = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                                  check=True, cwd=compiled.ROOT).stdout
