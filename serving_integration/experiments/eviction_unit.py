@@ -1,4 +1,4 @@
-"""The report's "Eviction unit" section (experiment=partial_eviction): per setting, every policy with
+"""The report's "Eviction unit" section (experiment=time_aware): per setting, every policy with
 whole-node eviction (SGLang's) and with partial eviction (sim.partial_eviction: the victim node gives
 up only the tail it must), paired by seed; latency first, then recomputed work and GPU hits; then a
 paragraph written from the numbers."""

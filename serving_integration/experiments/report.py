@@ -28,7 +28,7 @@ from data.errors import ConfigError, run_reported
 from data.knobs import build as build_knobs, check, knob, register, shown as shown_knob
 from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
-from serving_integration.experiments.rows import ROW_LABELS, SETTING, setting_of
+from serving_integration.experiments.rows import ROW_LABELS, SETTING, merge_seed_splits, setting_of
 from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, sort_key, split_of,
                                                      tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
@@ -63,14 +63,19 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
         if not found:
             raise FileNotFoundError(f"{p}: no summary.json there (run evaluate.py first)")
         files.extend(found)
-    rows, seen = [], set()
+    rows, seen, runs = [], set(), {}
     for f in files:
         try:
-            summary_rows = json.loads(f.read_text())["rows"]
-            if not isinstance(summary_rows, list) or not all(isinstance(r, dict) for r in summary_rows):
-                raise TypeError("rows is not a list of rows")
+            summary = json.loads(f.read_text())
+            summary_rows, per_seed_rows = summary["rows"], summary.get("seed_rows") or []
+            if not all(isinstance(x, list) and all(isinstance(r, dict) for r in x)
+                       for x in (summary_rows, per_seed_rows)):
+                raise TypeError("rows or seed_rows is not a list of rows")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{f}: not a summary.json of evaluate.py ({type(e).__name__}: {e})") from None
+        if isinstance(summary.get("config"), dict):  # a job of a sweep split by seeds: merged below
+            config = {k: v for k, v in summary["config"].items() if k != "seeds"}
+            runs[str(f)] = (json.dumps(config, sort_keys=True), [{**ROW_LABELS, **r} for r in per_seed_rows])
         for i, row in enumerate(summary_rows):
             missing = sorted(set(REQUIRED) - set(row))
             if missing:
@@ -81,8 +86,9 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
             key = json.dumps(row, sort_keys=True)
             if key not in seen:
                 seen.add(key)
-                rows.append({**row, "source": str(f)})
-    return rows, files
+                rows.append({**row, "sources": [str(f)]})
+    # a sweep split by seeds across jobs (claims: five seeds a job) reports as one run over them all
+    return merge_seed_splits(rows, runs), files
 
 
 # -------------------------------------------------------------------- tables
@@ -202,7 +208,7 @@ def setting_tables(rows: list[dict], split: str | None = None) -> str:
         seeds = group[0].get("seeds") or [group[0].get("seed")]
         parts.append(f"### {setting_heading(key, varying)}\n\n{group[0]['workflows']} workflows, "
                      f"{group[0]['calls']} calls, {split_of(group[0])} split, seed(s) {seeds} "
-                     f"(`{Path(group[0]['source']).parent}`)\n\n" + md_table(head, body))
+                     f"({', '.join(f'`{Path(s).parent}`' for s in group[0]['sources'])})\n\n" + md_table(head, body))
     return "\n\n".join(parts)
 
 

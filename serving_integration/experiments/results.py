@@ -288,7 +288,8 @@ def index_page(by_kind: dict, runs: Path, record: dict, pages: dict, all_rows: l
     from serving_integration.experiments import report
 
     steps = [s for kind in by_kind.values() for s in kind]
-    total = (sum(r["wall_s"] for r in record.values()) + kept_seconds(steps, record, pages, kept)) / 60
+    ran = sum(record[s["name"]]["wall_s"] for s in steps if s["name"] in record)  # a step left the plan: not counted
+    total = (ran + kept_seconds(steps, record, pages, kept)) / 60
     links = [f"[{name}](results/{name}.md)" for name, kind in (("datasets", "data"), ("predictors", "train"))
              if by_kind[kind]]
     kept_note = (f" Kept as last rendered, their runs not in that folder: {', '.join(sorted(kept))} (each page "

@@ -147,6 +147,11 @@ def _describe(row: dict) -> str:
     return "row " + ", ".join(f"{k}={row.get(k)}" for k in labels)
 
 
+def method_key(row: dict) -> tuple:
+    """What one aggregated row stands for: every label but the seed and the counts it sums."""
+    return tuple(repr(row.get(k)) for k in ROW_LABELS if k not in ("seed", "workflows", "calls"))
+
+
 def aggregate_seeds(rows: list[dict]) -> list[dict]:
     """One row per setting and method over the seeds of `rows`: each metric's mean, its 95%
     confidence interval `{metric}_ci95` (half-width, Student t with n-1 degrees of freedom; None
@@ -156,8 +161,7 @@ def aggregate_seeds(rows: list[dict]) -> list[dict]:
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = tuple(repr(r.get(k)) for k in ROW_LABELS if k not in ("seed", "workflows", "calls"))
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(method_key(r), []).append(r)
     out = []
     for group in groups.values():
         first = group[0]
@@ -198,3 +202,41 @@ def pool_per_workflow(rows: list[dict]) -> dict | None:
         for c in columns[1:]:
             pooled[c] += list(results[c])
     return pooled
+
+
+def merge_seed_splits(rows: list[dict], runs: dict[str, tuple[str, list[dict]]]) -> list[dict]:
+    """`rows` (aggregated rows, each with its summary's path in `sources`) with the rows of one method
+    that one sweep measured in several jobs on disjoint seeds (its runs' configs equal but for
+    `seeds`) replaced by the one row a run over all their seeds writes: their seed rows aggregated
+    anew, in seed order, and their pooled per-workflow results joined. `runs`: per summary path, (its
+    config but `seeds`, as text; its seed rows). Rows of other configs, of overlapping seeds, or
+    whose summary lacks their seed rows stay apart."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.get("seeds") and len(r["sources"]) == 1 and r["sources"][0] in runs:
+            groups.setdefault((runs[r["sources"][0]][0], method_key(r)), []).append(i)
+    replaced: dict[int, dict | None] = {}
+    for (_, key), members in groups.items():
+        parts = [rows[i] for i in members]
+        seeds = [s for r in parts for s in r["seeds"]]
+        if len(parts) < 2 or len(set(seeds)) != len(seeds):
+            continue
+        split = [[s for s in runs[r["sources"][0]][1] if method_key(s) == key] for r in parts]
+        if any(sorted(s["seed"] for s in found) != sorted(r["seeds"]) for found, r in zip(split, parts)):
+            continue
+        (row,) = aggregate_seeds(sorted((s for found in split for s in found), key=lambda s: s["seed"]))
+        pools = [r.get("per_workflow") for r in parts]
+        row["per_workflow"] = _join_pools(pools) if all(pools) else None
+        row["sources"] = [r["sources"][0] for r in parts]
+        replaced.update({i: None for i in members[1:]})
+        replaced[members[0]] = row
+    return [replaced.get(i, r) for i, r in enumerate(rows) if replaced.get(i, r) is not None]
+
+
+def _join_pools(pools: list[dict]) -> dict:
+    """Pooled per-workflow columns (pool_per_workflow) of disjoint seeds as one pool, in seed order
+    as pool_per_workflow orders them (each workflow id is `seed/id`)."""
+    columns = list(pools[0])
+    entries = [(int(w.split("/", 1)[0]), p, i) for p in pools for i, w in enumerate(p["workflow"])]
+    entries.sort(key=lambda e: e[0])  # stable: each seed's workflows keep their order
+    return {c: [p[c][i] for _, p, i in entries] for c in columns}

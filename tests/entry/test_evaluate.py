@@ -135,6 +135,13 @@ def test_seeds_give_means_and_confidence_intervals(tmp_path, cache):
     lae = [r for r in summary["seed_rows"] if r["policy"] == "pbkv_lae"]
     assert all(r["ended_by_timeout"] + r["ended_by_signal"] <= r["workflows"] for r in lae)
     assert sum(r["ended_by_timeout"] for r in lae) > 0
+    # the same seeds split over two jobs (as experiment=claims runs them) report as that one run
+    from serving_integration.experiments.report import load_rows
+
+    for name, seeds in (("first", "seeds=[0]"), ("rest", "seeds=[1,2]")):
+        evaluate(tmp_path / "split" / name, "policies=[lru,pbkv_lae]", seeds, "sim.end_signal_loss=0.5", cache=cache)
+    merged, _ = load_rows([str(tmp_path / "split")])
+    assert [{k: v for k, v in r.items() if k != "sources"} for r in merged] == summary["rows"]
 
 
 def by_gap(rows):

@@ -193,7 +193,7 @@ def sweep_rows(policies, sizes=(100000, 200000), splits=("val", "test")):
                     "recompute_rate_per_seed": [1 - h for h in hits], "mean_workflow_latency_s": 10 - 10 * hits[0],
                     "mean_workflow_latency_s_per_seed": [10 - 10 * h for h in hits], "bound_hit_rate": 0.6,
                     "bound_hit_rate_per_seed": [0.6, 0.6], "live_working_set_tokens": 400000}),
-                    "seeds": [0, 1], "source": f"/runs/{split}/{gpu}/summary.json"})
+                    "seeds": [0, 1], "sources": [f"/runs/{split}/{gpu}/summary.json"]})
     return rows
 
 

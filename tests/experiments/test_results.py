@@ -90,7 +90,10 @@ def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
     (runs / "server" / "check").mkdir(parents=True)
     (runs / "server" / "check" / "report.md").write_text("policy | hit real / sim\n--- | ---\nlru | 16.0% / 14.7%\n")
     (runs / "steps.json").write_text(json.dumps({"check": {"command": "python -m benchmarks.predictor_table",
-                                                           "wall_s": 300.0, "finished": "2026-11-30 10:00 UTC"}}))
+                                                           "wall_s": 300.0, "finished": "2026-11-30 10:00 UTC"},
+                                                 # a step the plan no longer has: its time is not the plan's
+                                                 "gone": {"command": "python evaluate.py", "wall_s": 6000.0,
+                                                          "finished": "2026-11-29 10:00 UTC"}}))
     pages = out.parent / "results"
     pages.mkdir(parents=True)
     (pages / "swept.md").write_text("# A sweep\n\n[Back](../results.md)\n\nMade by:\n\n    python evaluate.py "
@@ -101,6 +104,7 @@ def test_a_step_without_runs_here_keeps_its_last_page(tmp_path):
                                     "# ? s, not run\n")
     argv = [f"plan={plan}", f"runs={runs}", f"out={out}", "render_only=true"]
     assert results.main(argv) == 0
+    assert "(15 min of step time, the kept pages' steps as they last ran)" in out.read_text()
     (runs / "server" / "check" / "report.md").unlink()  # another machine: the server's run is gone too
     (runs / "steps.json").write_text("{}")
     for _ in range(2):  # marked once, however often it is kept

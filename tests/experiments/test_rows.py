@@ -90,3 +90,40 @@ def test_a_debug_run_passes_the_check(tmp_path):
         assert r["hit_rate"] <= r["setting_bound_hit_rate"] and r["recompute_rate"] >= r["setting_bound_recompute_rate"]
     lru = next(r for r in rows if r["policy"] == "lru")
     assert lru["gap_closed"] == 0 and lru["gap_closed_recompute"] == 0
+
+
+def seed_row(policy, seed, hit, workflows=("a", "b")):
+    r = row(policy, "none", hit, 1 - hit, 0.9, 0.9, 0.05, seed=seed)
+    return {**r, "per_workflow": {"workflow": list(workflows), "latency_s": [seed + 0.5, seed + 1.5]}}
+
+
+def job(seeds, source, hits=None):
+    """A summary of one job: its rows over `seeds` and its seed rows (per_workflow trimmed, as evaluate writes them)."""
+    from serving_integration.experiments.rows import aggregate_seeds
+
+    seed_rows = [seed_row(p, s, (hits or {}).get((p, s), 0.1 * s + (p == "pbkv") / 10)) for s in seeds
+                 for p in ("lru", "pbkv")]
+    rows = [{**r, "sources": [source]} for r in aggregate_seeds(seed_rows)]
+    return rows, [{**r, "per_workflow": None} for r in seed_rows]
+
+
+def test_jobs_of_one_sweep_on_disjoint_seeds_merge_into_the_row_of_one_run_over_them_all():
+    from serving_integration.experiments.rows import aggregate_seeds, merge_seed_splits
+
+    whole = aggregate_seeds([seed_row(p, s, 0.1 * s + (p == "pbkv") / 10) for s in (0, 1, 2, 3) for p in ("lru", "pbkv")])
+    (a, a_seeds), (b, b_seeds) = job([2, 3], "b.json"), job([0, 1], "a.json")  # a later job listed first
+    merged = merge_seed_splits(a + b, {"a.json": ("cfg", b_seeds), "b.json": ("cfg", a_seeds)})
+    assert [r["sources"] for r in merged] == [["b.json", "a.json"]] * 2
+    assert [{k: v for k, v in r.items() if k != "sources"} for r in merged] == whole
+    assert merged[0]["seeds"] == [0, 1, 2, 3] and merged[0]["per_workflow"]["workflow"][:3] == ["0/a", "0/b", "1/a"]
+    assert merged[0]["hit_rate_ci95"] is not None and merged[0]["workflows"] == 40
+
+
+@pytest.mark.parametrize("case", ["other config", "overlapping seeds", "no seed rows"])
+def test_jobs_of_other_configs_or_overlapping_seeds_stay_apart(case):
+    from serving_integration.experiments.rows import merge_seed_splits
+
+    (a, a_seeds), (b, b_seeds) = job([0, 1], "a.json"), job([1, 2] if case == "overlapping seeds" else [2, 3], "b.json")
+    runs = {"a.json": ("cfg", a_seeds), "b.json": ("other" if case == "other config" else "cfg",
+                                                   [] if case == "no seed rows" else b_seeds)}
+    assert merge_seed_splits(a + b, runs) == a + b

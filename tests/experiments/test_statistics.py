@@ -101,7 +101,7 @@ def memory_rows():
                       split=split, horizon=3, gamma=0.5, cost_model="h100", workflows=2000, calls=20000)
         metrics = {"hit_rate": float(np.mean(hits)), "hit_rate_per_seed": hits,
                    "mean_workflow_latency_s": float(np.mean(latency)), "mean_workflow_latency_s_per_seed": latency}
-        rows.append({**make_row(labels, metrics), "seeds": [0, 1], "source": f"/runs/{split}/{gpu}/summary.json"})
+        rows.append({**make_row(labels, metrics), "seeds": [0, 1], "sources": [f"/runs/{split}/{gpu}/summary.json"]})
     return rows
 
 
