@@ -113,6 +113,8 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
                 raise ValueError(f"predictor.train={p.train}: train.py failed with exit status "
                                  f"{e.returncode} (its output is above)") from None
             raise
+        metrics = json.loads((tmp / "metrics.json").read_text())  # it names the checkpoint where it will be
+        write_json(tmp / "metrics.json", {**metrics, "checkpoint": str(run / "predictor.pt")})
         try:
             tmp.rename(run)
         except OSError:  # another job got there first; its checkpoint is the same recipe's

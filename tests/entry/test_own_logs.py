@@ -73,3 +73,6 @@ def test_own_chat_logs_import_train_evaluate(tmp_path):
     assert all(r["workload"] == "help_desk" and r["calls"] >= 12 * 4 for r in rows.values())
     # pbkv rows carry their predictor's test top-1 (train.py's, on this dataset's test split)
     assert rows[("pbkv", "outcome")]["predictor_top1_k1"] == summary["predictor"]["test_metrics"]["test/top1_k1"]
+    # the cached predictor's metrics.json names its checkpoint where it is, not the folder it was trained in
+    (cached,) = (tmp_path / "predictors").glob("graphsage-*/metrics.json")
+    assert json.loads(cached.read_text())["checkpoint"] == str(cached.parent / "predictor.pt")
