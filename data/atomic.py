@@ -204,6 +204,28 @@ def atomic_file(path: str | os.PathLike, inputs: Iterable = ()) -> Iterator[Path
         raise
 
 
+@contextmanager
+def built_once(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the lock of the cache entry `path` (``.NAME.lock`` beside it; filelock's OS lock, freed
+    when the holder dies) while checking for the entry and building it when missing: parallel
+    sweep jobs that need the same dataset, predictor or embeddings take turns, so one builds it and
+    the others find it built, instead of building it side by side. The entry itself is still
+    written atomically; the lock file stays (empty)."""
+    from filelock import FileLock
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path.parent / f".{path.name}.lock")
+        lock.acquire()
+    except OSError as e:
+        raise OutputError(describe(e, path)) from e
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def temporary_sibling_dir(path: str | os.PathLike) -> Path:
     """A new empty ``.NAME.tmp-PID-RANDOM`` folder beside `path` (umask applied; cleaned by
     :func:`recover` once this process is gone), for callers that rename it into place themselves."""

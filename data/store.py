@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow.compute
@@ -22,7 +23,7 @@ from datasets.utils import disable_progress_bars
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from data.atomic import atomic_dir, check_output, check_replaceable
+from data.atomic import atomic_dir, built_once, check_output, check_replaceable
 from data.schema import CALL_FEATURES, SCHEMA_VERSION, SEGMENT_FEATURES, SPLITS, Traces
 from data.stats import largest_prompt_per_workflow, summary, trace_stats
 
@@ -389,15 +390,26 @@ def recreate(recipe: dict, seed: int, cache_dir: str | Path, name: str) -> Trace
 
     recipe = {**recipe, "seed": seed}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    cached = Path(cache_dir) / f"{name}-{key}"
-    if not (cached / "meta.json").is_file():
+
+    def make() -> TraceDataset:
         try:
             workload = WORKLOADS[recipe["workload"]](**recipe["parameters"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"recipe of {name}: workload {recipe['workload']} does not build: {e}") from None
         ds = build(generate(workload, recipe["n_workflows"], seed), **recipe["split"])
         ds.meta["recipe"] = recipe
-        save(ds, cached, overwrite=True)
+        return ds
+
+    return cached_build(Path(cache_dir) / f"{name}-{key}", make)
+
+
+def cached_build(cached: Path, make: Callable[[], TraceDataset]) -> TraceDataset:
+    """The dataset cached in `cached`, made by `make` and saved there first when missing (one
+    sweep job makes it while the others that need it wait: data.atomic.built_once)."""
+    if not (cached / "meta.json").is_file():
+        with built_once(cached):
+            if not (cached / "meta.json").is_file():
+                save(make(), cached, overwrite=True)
     return load(cached)
 
 
@@ -408,13 +420,14 @@ def resolve(cfg: DictConfig) -> TraceDataset:
     recipe = OmegaConf.to_container(cfg, resolve=True)
     recipe = {k: recipe[k] for k in ("source", "split")}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    cached = Path(cfg.cache_dir) / f"{cfg.name}-{key}"
-    if not (cached / "meta.json").is_file():
+
+    def make() -> TraceDataset:
         traces: Traces = instantiate(cfg.source, _convert_="all")  # the config's own source, not a file's
         ds = build(traces, **cfg.split)
         ds.meta["recipe"] = plain_recipe(recipe["source"], recipe["split"])
-        save(ds, cached, overwrite=True)
-    return load(cached)
+        return ds
+
+    return cached_build(Path(cfg.cache_dir) / f"{cfg.name}-{key}", make)
 
 
 def resolve_seeded(cfg: DictConfig, seed: int) -> TraceDataset:
@@ -432,16 +445,17 @@ def resolve_seeded(cfg: DictConfig, seed: int) -> TraceDataset:
         if ds.meta["split"]["seed"] == seed:
             return ds
         key = hashlib.sha256(json.dumps([str(Path(cfg.path).resolve()), seed]).encode()).hexdigest()[:12]
-        cached = Path(cfg.cache_dir) / f"{cfg.name}-resplit-{key}"
-        if not (cached / "meta.json").is_file():
+
+        def make() -> TraceDataset:
             from data.schema import SegmentTable
 
             meta = {k: v for k, v in ds.meta.items() if k not in ("schema_version", "split", "splits", "stats",
                                                                     "skipped_lines", "recipe")}
             traces = Traces(ds.rows(None), SegmentTable(ds.segment_table()), {**meta, "resplit_of": str(cfg.path)})
             split = {k: ds.meta["split"][k] for k in ("val", "test")}
-            save(build(traces, **split, seed=seed), cached, overwrite=True)
-        return load(cached)
+            return build(traces, **split, seed=seed)
+
+        return cached_build(Path(cfg.cache_dir) / f"{cfg.name}-resplit-{key}", make)
     if "seed" in cfg.source:
         cfg.source.seed = seed
     else:

@@ -113,18 +113,37 @@ class MiniLMTextEncoder:
         embeddings = _MINILM_ENCODED.get(key)
         if embeddings is None:
             on_disk = self._disk_file(key[2]) if _minilm_disk and len(texts) >= MINILM_DISK_MIN_TEXTS else None
-            embeddings = _read_embeddings(on_disk, len(texts), self.dim) if on_disk is not None else None
-            if embeddings is None:
-                embeddings = self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
-                                                 normalize_embeddings=True, show_progress_bar=False).float().cpu()
-                if on_disk is not None:
-                    _write_embeddings(on_disk, embeddings)
+            embeddings = self._encode(texts) if on_disk is None else self._kept(on_disk, texts)
             _MINILM_ENCODED[key] = embeddings
             if len(_MINILM_ENCODED) > MINILM_MEMO:
                 _MINILM_ENCODED.popitem(last=False)
         else:
             _MINILM_ENCODED.move_to_end(key)
         return embeddings.clone()
+
+    def _kept(self, path: Path, texts: Sequence[str]) -> Tensor:
+        """The list's embeddings kept in `path`, else encoded and kept there; a parallel sweep job
+        encoding the same list waits for it and reads them (data.atomic.built_once). A folder that
+        cannot be written only costs the encoding."""
+        from data.atomic import OutputError, built_once
+
+        embeddings = _read_embeddings(path, len(texts), self.dim)
+        if embeddings is not None:
+            return embeddings
+        try:
+            with built_once(path):
+                embeddings = _read_embeddings(path, len(texts), self.dim)
+                if embeddings is None:
+                    embeddings = self._encode(texts)
+                    _write_embeddings(path, embeddings)
+        except OutputError as e:  # no lock there: the folder cannot be written
+            warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=3)
+            embeddings = self._encode(texts)
+        return embeddings
+
+    def _encode(self, texts: Sequence[str]) -> Tensor:
+        return self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
+                                   normalize_embeddings=True, show_progress_bar=False).float().cpu()
 
     def _disk_file(self, texts: tuple[str, ...]) -> Path:
         """Where keep_encodings_in's folder keeps this list's embeddings: named by a digest of the

@@ -70,7 +70,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
-from data.atomic import temporary_sibling_dir, write_json
+from data.atomic import built_once, temporary_sibling_dir, write_json
 from data.errors import ConfigError
 from data.knobs import build
 from data.stats import live_working_set_tokens
@@ -100,26 +100,32 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(p.cache_dir).resolve() / f"{p.train}-{key}"
     if not (run / "predictor.pt").is_file():
-        # trained in a temporary sibling and renamed: parallel sweep jobs may train the same one
-        tmp = temporary_sibling_dir(run)
-        log.info("training %s on %s into %s", p.train, dataset_path, run)
-        try:
-            subprocess.run([sys.executable, str(REPO / "train.py"), f"model={p.train}",
-                            f"data.path={recipe['data']}", f"seed={seed}", f"horizon={horizon}",
-                            "logger=csv", f"hydra.run.dir={tmp}", *p.train_overrides], cwd=REPO, check=True)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, subprocess.CalledProcessError):
-                raise ValueError(f"predictor.train={p.train}: train.py failed with exit status "
-                                 f"{e.returncode} (its output is above)") from None
-            raise
-        metrics = json.loads((tmp / "metrics.json").read_text())  # it names the checkpoint where it will be
-        write_json(tmp / "metrics.json", {**metrics, "checkpoint": str(run / "predictor.pt")})
-        try:
-            tmp.rename(run)
-        except OSError:  # another job got there first; its checkpoint is the same recipe's
-            shutil.rmtree(tmp, ignore_errors=True)
+        with built_once(run):  # a parallel sweep job that needs the same one waits for it, then finds it
+            if not (run / "predictor.pt").is_file():
+                train_into(run, p, recipe["data"], seed, horizon)
     return run / "predictor.pt"
+
+
+def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int) -> None:
+    """train.py on the dataset at `data`, in a temporary sibling of `run` renamed to `run` when complete."""
+    tmp = temporary_sibling_dir(run)
+    log.info("training %s on %s into %s", p.train, data, run)
+    try:
+        subprocess.run([sys.executable, str(REPO / "train.py"), f"model={p.train}", f"data.path={data}",
+                        f"seed={seed}", f"horizon={horizon}", "logger=csv", f"hydra.run.dir={tmp}",
+                        *p.train_overrides], cwd=REPO, check=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, subprocess.CalledProcessError):
+            raise ValueError(f"predictor.train={p.train}: train.py failed with exit status "
+                             f"{e.returncode} (its output is above)") from None
+        raise
+    metrics = json.loads((tmp / "metrics.json").read_text())  # it names the checkpoint where it will be
+    write_json(tmp / "metrics.json", {**metrics, "checkpoint": str(run / "predictor.pt")})
+    try:
+        tmp.rename(run)
+    except OSError:  # a job without the lock got there first; its checkpoint is the same recipe's
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int):

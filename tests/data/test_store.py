@@ -1,6 +1,8 @@
 """The dataset store: workflow-level seeded splits, atomic save, load, and the data config group."""
 
 import json
+import multiprocessing
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -78,12 +80,30 @@ def test_data_group_builds_once_and_caches(tmp_path):
     cfg = data_config("data=swebench", "data.source.n_workflows=12", f"data.cache_dir={tmp_path}")
     ds = store.resolve(cfg)
     assert ds.n_workflows == 12 and ds.meta["workload"] == "swebench"
-    (cached,) = tmp_path.iterdir()
+    (cached,) = (p for p in tmp_path.iterdir() if not p.name.startswith("."))  # its lock file beside it
     stamp = (cached / "meta.json").stat().st_mtime_ns
     again = store.resolve(cfg)
     assert again.path == cached and (cached / "meta.json").stat().st_mtime_ns == stamp
     other = store.resolve(data_config("data=swebench", "data.source.n_workflows=13", f"data.cache_dir={tmp_path}"))
     assert other.path != cached and other.n_workflows == 13
+
+
+def _build_counted(cached, hover_small, counter):
+    def make():
+        with open(counter, "a") as f:
+            f.write("built\n")
+        time.sleep(0.5)  # long enough for the other process to ask meanwhile
+        return store.build(hover_small)
+    return store.cached_build(cached, make).n_workflows
+
+
+def test_parallel_jobs_asking_for_one_dataset_build_it_once(tmp_path, hover_small):
+    """Two sweep jobs that need the same cache entry at once: one builds it, the other waits and loads it."""
+    cached, counter = tmp_path / "cache" / "hover-abc", tmp_path / "builds.txt"
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        sizes = pool.starmap(_build_counted, [(cached, hover_small, counter)] * 2)
+    assert sizes == [40, 40] and counter.read_text() == "built\n"
 
 
 def test_data_path_selects_a_written_dataset(tmp_path, hover_small):
