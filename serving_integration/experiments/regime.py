@@ -321,7 +321,7 @@ def paper_paragraph(numbers: dict[tuple, dict]) -> str:
         if oracle and time_part(lru, "queue") > 0:
             text += f"; the oracle's queueing there is {time_part(oracle, 'queue') / time_part(lru, 'queue'):.0%} of LRU's"
         parts.append(text + ".")
-    over = [key for key, m in numbers.items() if beaten(m)]
+    over = sorted((key for key, m in numbers.items() if beaten(m)), key=sort_key)  # the example: first in order, not as loaded
     if over:
         parts.append(f"The ceiling is an estimate, not a bound: in {len(over)} of {len(numbers)} settings a row is "
                      f"faster than it (e.g. {over[0][0]}, {where(over[0])}), where calls that finish sooner also "

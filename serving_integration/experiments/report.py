@@ -525,7 +525,7 @@ def robustness_rows(rows) -> list[tuple]:
             groups[setting_of(r)].setdefault((r["policy"], r["predictor"], r.get("noise") or 0.0, kind), {}).setdefault(
                 r["trust"], r)
     out = []
-    for key, group in groups.items():
+    for key, group in sorted(groups.items(), key=lambda item: sort_key(item[0])):  # not in load order
         if "lru" not in group or "pbkv_lae" not in group:
             continue
         for policy, pred, noise, kind in sorted(k for k in group if isinstance(k, tuple)):
