@@ -230,7 +230,7 @@ def merge_seed_splits(rows: list[dict], runs: dict[str, tuple[str, list[dict]]])
         row["sources"] = [r["sources"][0] for r in parts]
         replaced.update({i: None for i in members[1:]})
         replaced[members[0]] = row
-    return [replaced.get(i, r) for i, r in enumerate(rows) if replaced.get(i, r) is not None]
+    return [row for i, r in enumerate(rows) if (row := replaced.get(i, r)) is not None]
 
 
 def _join_pools(pools: list[dict]) -> dict:
