@@ -18,11 +18,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from data.atomic import hydra_run_dir
 from data.cli import exit_2_if_not_composed
 from data.errors import run_reported
-from models.config import train_config  # also registers the schemas conf/ names
-from models.training import optimized_value, train
+from models.training import optimized_value, run_train  # models.config registers the schemas conf/ names
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -34,15 +32,8 @@ def main(cfg: DictConfig) -> float | None:
     return result[0]
 
 
-COMMAND = "train.py"
-
-
 def run(cfg: DictConfig, run_dir: Path) -> float | None:
-    """Check the config (models.config.train_config), then train into a temporary folder that
-    replaces the run directory when complete."""
-    train_config(cfg)
-    with hydra_run_dir(run_dir, COMMAND, cfg, inputs=[cfg.data.get("path")]) as staging:
-        return optimized_value(cfg, train(cfg, staging, final_dir=run_dir))
+    return optimized_value(cfg, run_train(cfg, run_dir))
 
 
 if __name__ == "__main__":

@@ -205,25 +205,30 @@ def atomic_file(path: str | os.PathLike, inputs: Iterable = ()) -> Iterator[Path
 
 
 @contextmanager
-def built_once(path: str | os.PathLike) -> Iterator[None]:
+def built_once(path: str | os.PathLike, wait: bool = True) -> Iterator[bool]:
     """Hold the lock of the cache entry `path` (``.NAME.lock`` beside it; filelock's OS lock, freed
     when the holder dies) while checking for the entry and building it when missing: parallel
     sweep jobs that need the same dataset, predictor or embeddings take turns, so one builds it and
     the others find it built, instead of building it side by side. The entry itself is still
-    written atomically; the lock file stays (empty)."""
-    from filelock import FileLock
+    written atomically; the lock file stays (empty). Yields True once held; with ``wait=False`` it
+    yields False at once when another process holds it (that one is building the entry)."""
+    from filelock import FileLock, Timeout
 
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(path.parent / f".{path.name}.lock")
-        lock.acquire()
+        lock.acquire(blocking=wait)
+        held = True
+    except Timeout:  # before OSError: filelock's Timeout is a TimeoutError
+        held = False
     except OSError as e:
         raise OutputError(describe(e, path)) from e
     try:
-        yield
+        yield held
     finally:
-        lock.release()
+        if held:
+            lock.release()
 
 
 def temporary_sibling_dir(path: str | os.PathLike) -> Path:

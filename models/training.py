@@ -7,20 +7,28 @@ through the same validation, test, metrics.json and checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import os
+import random
 import time
 import warnings
 from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
 
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from data.atomic import atomic_file, write_json
+from data.atomic import atomic_file, hydra_run_dir, write_json
 from models.base import Predictor
 from models.checkpoint import save_predictor
+from models.config import train_config
 from models.datamodule import TraceDataModule
 from models.metrics import METRIC_NAMES, time_metric_names
 from models.module import PredictorModule
@@ -30,6 +38,76 @@ log = logging.getLogger(__name__)
 # Two CPU cores: loader workers would only compete with the model for them.
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+
+
+COMMAND = "train.py"  # what made a run folder (data.atomic.check_run_dir): this module's job, however started
+
+
+def run_train(cfg: DictConfig, run_dir: Path) -> dict:
+    """train.py's job: check the config (models.config.train_config), then train into a temporary
+    folder that replaces `run_dir` when complete (data.atomic.hydra_run_dir)."""
+    train_config(cfg)
+    with hydra_run_dir(run_dir, COMMAND, cfg, inputs=[cfg.data.get("path")]) as staging:
+        return train(cfg, staging, final_dir=run_dir)
+
+
+def train_here(overrides: Sequence[str], run_dir: str | Path) -> dict:
+    """What ``python train.py OVERRIDES hydra.run.dir=RUN_DIR`` does, in this process: the same
+    composed config, run folder and checkpoint, without starting an interpreter, importing torch,
+    Lightning and PyG and loading MiniLM again (evaluate.py trains its predictors so: about 15 s
+    each). The process-wide state a training sets (torch threads, deterministic algorithms, the
+    random generators, Lightning's seed variables) is put back afterwards."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    run_dir = Path(run_dir).resolve()
+    overrides = [*overrides, f"hydra.run.dir={run_dir}", "hydra.job.name=train"]
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app of this repository (evaluate.py)
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    else:
+        with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    job = copy.deepcopy(cfg)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    with _hydra_job(cfg), _process_state_kept():
+        return run_train(job, run_dir)
+
+
+@contextlib.contextmanager
+def _hydra_job(cfg: DictConfig) -> Iterator[None]:
+    """`cfg`'s Hydra node as the job's (what ${hydra:runtime.output_dir} reads), the caller's after."""
+    from hydra.core.hydra_config import HydraConfig
+
+    instance = HydraConfig.instance()
+    before = instance.cfg
+    instance.set_config(cfg)
+    try:
+        yield
+    finally:
+        instance.cfg = before
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    generators = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        random.setstate(generators[0])
+        np.random.set_state(generators[1])
+        torch.set_rng_state(generators[2])
+        for name in set(os.environ) - set(environ):  # PL_GLOBAL_SEED, PL_SEED_WORKERS, CUBLAS_WORKSPACE_CONFIG
+            del os.environ[name]
+        os.environ.update(environ)
 
 
 def build_predictor(cfg: DictConfig) -> tuple[TraceDataModule, Predictor]:

@@ -47,7 +47,7 @@ def assert_bad_setting(base, check, key, value, message):
 
 def refused_over_its_dataset(entry, work: str, base, tmp_path, capsys, monkeypatch):
     """An entry point (`entry.run`) refuses a run folder that is, or holds, its dataset (`data.path`):
-    exit status 1 naming the input, and `entry.<work>` never called. Returns the config used."""
+    exit status 1 naming the input, and `work` (a dotted path) never called. Returns the config used."""
     import pytest
     from omegaconf import OmegaConf
 
@@ -56,7 +56,7 @@ def refused_over_its_dataset(entry, work: str, base, tmp_path, capsys, monkeypat
     dataset = tmp_path / "ds"
     dataset.mkdir()
     (dataset / "meta.json").write_text("{}")
-    monkeypatch.setattr(entry, work, lambda *a: pytest.fail(f"{work} ran into its input"))
+    monkeypatch.setattr(work, lambda *a, **k: pytest.fail(f"{work} ran into its input"))
     cfg = base.copy()
     OmegaConf.update(cfg, "data.path", str(dataset), merge=False)
     for run_dir in (dataset, tmp_path):

@@ -60,9 +60,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +67,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, store
-from data.atomic import built_once, temporary_sibling_dir, write_json
+from data.atomic import built_once, write_json
 from data.errors import ConfigError
 from data.knobs import build
 from data.stats import live_working_set_tokens
@@ -89,8 +86,10 @@ PREDICTIVE = ("pbkv", "pbkv_perfect", "pbkv_time", "pbkv_time_perfect")
 LEARNED = ("pbkv", "pbkv_time")  # the rows the learned predictor drives (the others: the true future)
 
 
-def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizon: int) -> Path:
-    """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached."""
+def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizon: int,
+                       wait: bool = True) -> Path | None:
+    """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached;
+    `wait=False`: None at once when another job is training it now."""
     recipe = {"family": p.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
     family_config = REPO / "conf" / "model" / f"{p.train}.yaml"
     if family_config.is_file():  # a changed default (e.g. a new input of the family) trains anew
@@ -100,32 +99,53 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(p.cache_dir).resolve() / f"{p.train}-{key}"
     if not (run / "predictor.pt").is_file():
-        with built_once(run):  # a parallel sweep job that needs the same one waits for it, then finds it
+        with built_once(run, wait) as held:  # a parallel sweep job that needs the same one waits, then finds it
+            if not held:
+                return None
             if not (run / "predictor.pt").is_file():
                 train_into(run, p, recipe["data"], seed, horizon)
     return run / "predictor.pt"
 
 
+def uses_learned(knobs: Settings) -> bool:
+    """Whether the replays need pbkv's learned predictor (learned_source)."""
+    return bool(set(LEARNED) & set(knobs.run.policies)) or knobs.sim.routing == "pbkv"
+
+
+def train_ahead(cfg: DictConfig, knobs: Settings) -> None:
+    """With `predictor.train`: every seed's predictor before the first replay, leaving out those
+    another job is training now (that seed's replay waits for it). Two sweep jobs of one dataset
+    that start together (the experiments list `data` first) so split the trainings between them
+    instead of taking turns on each; the predictors are the same ones either way."""
+    p = knobs.predictor
+    if not (p.train and not p.checkpoint and knobs.run.seeds and uses_learned(knobs)):
+        return
+    for seed in knobs.run.seeds:
+        trained_checkpoint(p, store.resolve_seeded(cfg.data, seed).path, seed, knobs.pbkv.horizon, wait=False)
+
+
 def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int) -> None:
-    """train.py on the dataset at `data`, in a temporary sibling of `run` renamed to `run` when complete."""
-    tmp = temporary_sibling_dir(run)
+    """train.py on the dataset at `data` into `run`, in this process (models.training.train_here:
+    the folder and checkpoint train.py would write, appearing complete or not at all)."""
+    from hydra.errors import HydraException
+
+    from models.text import keep_encodings_in
+    from models.training import train_here
+
     log.info("training %s on %s into %s", p.train, data, run)
+    keep_encodings_in(encodings_folder(p))  # the dataset's task texts, encoded once for every family
+    overrides = [f"model={p.train}", f"data.path={data}", f"seed={seed}", f"horizon={horizon}", "logger=csv",
+                 *p.train_overrides]
     try:
-        subprocess.run([sys.executable, str(REPO / "train.py"), f"model={p.train}", f"data.path={data}",
-                        f"seed={seed}", f"horizon={horizon}", "logger=csv", f"hydra.run.dir={tmp}",
-                        *p.train_overrides], cwd=REPO, check=True)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, subprocess.CalledProcessError):
-            raise ValueError(f"predictor.train={p.train}: train.py failed with exit status "
-                             f"{e.returncode} (its output is above)") from None
-        raise
-    metrics = json.loads((tmp / "metrics.json").read_text())  # it names the checkpoint where it will be
-    write_json(tmp / "metrics.json", {**metrics, "checkpoint": str(run / "predictor.pt")})
-    try:
-        tmp.rename(run)
-    except OSError:  # a job without the lock got there first; its checkpoint is the same recipe's
-        shutil.rmtree(tmp, ignore_errors=True)
+        train_here(overrides, run)
+    except HydraException as e:  # an override train.py's config cannot take
+        raise ConfigError(f"predictor.train={p.train} predictor.train_overrides={list(p.train_overrides)}: "
+                          f"{e}") from None
+
+
+def encodings_folder(p: PredictorConfig) -> Path:
+    """Where MiniLM embeddings of task lists are kept (models.text.keep_encodings_in)."""
+    return Path(p.cache_dir).resolve() / "text_encodings"
 
 
 def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int):
@@ -141,7 +161,7 @@ def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int
     if checkpoint:
         # each seed's predictor encodes the seed's tasks: kept beside the trained predictors, every job
         # and step after the first reads them
-        keep_encodings_in(Path(p.cache_dir).resolve() / "text_encodings")
+        keep_encodings_in(encodings_folder(p))
         # agents it never saw map to <unk>; a clear error when too many do (a checkpoint of other data)
         predictor = load_predictor(checkpoint, agents=replay.agent_names[1:], max_unknown=p.max_unknown)
         if predictor.horizon != horizon:  # rows are labelled with pbkv.horizon (config.check_horizon)
@@ -257,6 +277,7 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
         summary = {"rows": rows, **info}
     else:
         seed_rows, info = [], {}
+        train_ahead(cfg, knobs)
         for seed in knobs.run.seeds:
             rows, info[seed] = replay_seed(store.resolve_seeded(cfg.data, seed), seed)
             seed_rows += rows
@@ -318,8 +339,7 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int,
     setting = Setting(sim, knobs.cost_model, workload=replay.workload, horizon=pbkv.horizon, gamma=pbkv.gamma,
                       seed=seed, split=replay.split)
     routes_by_prediction = sim.routing == "pbkv"  # the pbkv router reads the same predictions as pbkv eviction
-    learned = (learned_source(p, replay, seed, pbkv.horizon)
-               if set(LEARNED) & set(knobs.run.policies) or routes_by_prediction else None)
+    learned = learned_source(p, replay, seed, pbkv.horizon) if uses_learned(knobs) else None
     rows = []
     for name, mode, label, kwargs in policy_runs(knobs, replay, learned, seed):
         if routes_by_prediction and kwargs.get("predictions") is None:

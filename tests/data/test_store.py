@@ -106,6 +106,25 @@ def test_parallel_jobs_asking_for_one_dataset_build_it_once(tmp_path, hover_smal
     assert sizes == [40, 40] and counter.read_text() == "built\n"
 
 
+def _held_elsewhere(entry) -> bool:
+    from data.atomic import built_once
+
+    with built_once(entry, wait=False) as held:
+        return held
+
+
+def test_a_job_can_leave_an_entry_another_is_building_for_later(tmp_path):
+    """built_once(wait=False), as evaluation.train_ahead asks: False at once while another process
+    holds the entry's lock, True once it is free."""
+    from data.atomic import built_once
+
+    entry = tmp_path / "cache" / "graphsage-abc"
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        with built_once(entry) as held:
+            assert held and pool.apply_async(_held_elsewhere, (entry,)).get(timeout=30) is False
+        assert pool.apply_async(_held_elsewhere, (entry,)).get(timeout=30) is True
+
+
 def test_data_path_selects_a_written_dataset(tmp_path, hover_small):
     out = store.save(store.build(hover_small), tmp_path / "mine")
     ds = store.resolve(data_config("data=hover", f"data.path={out}", f"data.cache_dir={tmp_path}/cache"))

@@ -161,7 +161,7 @@ def test_run_checks_before_any_work_and_writes_nothing(base, tmp_path, capsys, m
 
 
 def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
-    refused_over_its_dataset(evaluate_py, "evaluate", base, tmp_path, capsys, monkeypatch)
+    refused_over_its_dataset(evaluate_py, "evaluate.evaluate", base, tmp_path, capsys, monkeypatch)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ds", "meta.json"]
 
 

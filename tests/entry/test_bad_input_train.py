@@ -90,7 +90,7 @@ def test_bad_setting_is_one_line_naming_it(base, key, value, message):
 
 
 def test_run_dir_may_not_be_or_hold_the_dataset(base, tmp_path, capsys, monkeypatch):
-    cfg = refused_over_its_dataset(train_py, "train", base, tmp_path, capsys, monkeypatch)
+    cfg = refused_over_its_dataset(train_py, "models.training.train", base, tmp_path, capsys, monkeypatch)
     OmegaConf.update(cfg, "horizon", 0, merge=False)
     assert run_reported(train_py.run, cfg, tmp_path / "run") == 2
     assert capsys.readouterr().err == "error: horizon=0: Input should be greater than or equal to 1\n"

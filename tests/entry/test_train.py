@@ -92,3 +92,45 @@ def test_same_config_gives_same_metrics(tmp_path, monkeypatch):
     second = train(compose_train(overrides, tmp_path / "b"), run_dir=tmp_path / "b")
     keys = metric_keys(3)
     assert [first[k] for k in keys] == [second[k] for k in keys]
+
+
+def test_training_in_process_equals_train_py(dataset_dir, tmp_path, monkeypatch):
+    """evaluate.py trains its predictors with models.training.train_here: the same predictor, metrics
+    and run folder as the command, and the process's threads, generators and environment as before."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from models.training import train_here
+
+    args = ["model=graphsage", f"data.path={dataset_dir}", *TINY]
+    run_train([*args, f"hydra.run.dir={tmp_path / 'command'}"], tmp_path)
+    monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)  # the config's torch_threads is 1
+    torch.use_deterministic_algorithms(False)  # the trainer's `deterministic` turns them on
+    try:
+        random.seed(5)
+        np.random.seed(5)
+        torch.manual_seed(5)
+        environ = dict(os.environ)
+        expected = random.random(), np.random.rand(), torch.rand(1).item()
+        random.seed(5)
+        np.random.seed(5)
+        torch.manual_seed(5)
+        train_here(args, tmp_path / "here")
+        assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
+        assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected and dict(os.environ) == environ
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+    command, here = (read_checkpoint(tmp_path / name / "predictor.pt") for name in ("command", "here"))
+    assert command["state_dict"].keys() == here["state_dict"].keys()
+    assert all(torch.equal(command["state_dict"][k], here["state_dict"][k]) for k in command["state_dict"])
+    assert command["metrics"] == here["metrics"] and command["init"].keys() == here["init"].keys()
+    metrics = json.loads((tmp_path / "here" / "metrics.json").read_text())
+    assert metrics["checkpoint"] == str(tmp_path / "here" / "predictor.pt")
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == sorted(p.name for p in (tmp_path / "command").iterdir())
+    assert "model=graphsage" in (tmp_path / "here" / ".hydra" / "overrides.yaml").read_text()
