@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -53,10 +52,10 @@ def run_train(cfg: DictConfig, run_dir: Path) -> dict:
 
 def train_here(overrides: Sequence[str], run_dir: str | Path) -> dict:
     """What ``python train.py OVERRIDES hydra.run.dir=RUN_DIR`` does, in this process: the same
-    composed config, run folder and checkpoint, without starting an interpreter, importing torch,
-    Lightning and PyG and loading MiniLM again (evaluate.py trains its predictors so: about 15 s
-    each). The process-wide state a training sets (torch threads, deterministic algorithms, the
-    random generators, Lightning's seed variables) is put back afterwards."""
+    composed config, run folder and checkpoint, without starting an interpreter and importing torch,
+    Lightning and PyG again (evaluate.py trains its predictors so: about 5 CPU-s less each). The
+    process-wide state a training sets (torch threads, deterministic algorithms, the random
+    generators, Lightning's seed variables) is put back afterwards."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -79,8 +78,6 @@ def train_here(overrides: Sequence[str], run_dir: str | Path) -> dict:
 @contextlib.contextmanager
 def _hydra_job(cfg: DictConfig) -> Iterator[None]:
     """`cfg`'s Hydra node as the job's (what ${hydra:runtime.output_dir} reads), the caller's after."""
-    from hydra.core.hydra_config import HydraConfig
-
     instance = HydraConfig.instance()
     before = instance.cfg
     instance.set_config(cfg)
@@ -92,6 +89,8 @@ def _hydra_job(cfg: DictConfig) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
+    """The caller's threads, generators and environment after the block: a training in evaluate.py
+    must not change the replays that follow it, nor how fast they run."""
     threads = torch.get_num_threads()
     deterministic = (torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled())
