@@ -112,16 +112,17 @@ def uses_learned(knobs: Settings) -> bool:
     return bool(set(LEARNED) & set(knobs.run.policies)) or knobs.sim.routing == "pbkv"
 
 
-def train_ahead(cfg: DictConfig, knobs: Settings) -> None:
-    """With `predictor.train`: every seed's predictor before the first replay, leaving out those
-    another job is training now (that seed's replay waits for it). Two sweep jobs of one dataset
-    that start together (the experiments list `data` first) so split the trainings between them
-    instead of taking turns on each; the predictors are the same ones either way."""
+def train_ahead(knobs: Settings, datasets: list) -> None:
+    """With `predictor.train`: the predictor of every seed (of `knobs.run.seeds`, whose datasets
+    these are) before the first replay, leaving out those another job is training now (that seed's
+    replay waits for it). Two sweep jobs of one dataset that start together (the experiments list
+    `data` first) so split the trainings between them instead of taking turns on each; the
+    predictors are the same ones either way."""
     p = knobs.predictor
-    if not (p.train and not p.checkpoint and knobs.run.seeds and uses_learned(knobs)):
+    if not (p.train and not p.checkpoint and uses_learned(knobs)):
         return
-    for seed in knobs.run.seeds:
-        trained_checkpoint(p, store.resolve_seeded(cfg.data, seed).path, seed, knobs.pbkv.horizon, wait=False)
+    for seed, ds in zip(knobs.run.seeds, datasets):
+        trained_checkpoint(p, ds.path, seed, knobs.pbkv.horizon, wait=False)
 
 
 def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int) -> None:
@@ -277,9 +278,10 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
         summary = {"rows": rows, **info}
     else:
         seed_rows, info = [], {}
-        train_ahead(cfg, knobs)
-        for seed in knobs.run.seeds:
-            rows, info[seed] = replay_seed(store.resolve_seeded(cfg.data, seed), seed)
+        datasets = [store.resolve_seeded(cfg.data, seed) for seed in knobs.run.seeds]
+        train_ahead(knobs, datasets)
+        for seed, ds in zip(knobs.run.seeds, datasets):
+            rows, info[seed] = replay_seed(ds, seed)
             seed_rows += rows
         # the rows pool the seeds' per-workflow results (keyed by seed); the seed rows do not repeat them
         summary = {"rows": aggregate_seeds(seed_rows),

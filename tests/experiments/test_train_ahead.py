@@ -22,7 +22,8 @@ def _job(cfg, logs) -> None:
     handler = logging.FileHandler(logs / f"{os.getpid()}.log")
     handler.setFormatter(logging.Formatter("%(created)f %(message)s"))
     log.addHandler(handler)
-    train_ahead(cfg, settings(cfg))
+    knobs = settings(cfg)
+    train_ahead(knobs, [store.resolve_seeded(cfg.data, seed) for seed in knobs.run.seeds])
 
 
 def test_two_jobs_of_one_dataset_split_its_trainings(tmp_path):
