@@ -7,9 +7,13 @@ that serves a compiled module only while it is the build of the source as it is 
 Nothing here is a second implementation: the files of `MODULES` are compiled as they are (Cython,
 annotations ignored, so the compiled code keeps Python's semantics: the same ints, floats and dict
 types, and every replay gives the same numbers; tests/simulator/test_compiled.py compares them), into
-`BUILD_DIR`, each extension named by a digest of the source bytes it was built from. At import,
-`CompiledFinder` looks for the extension whose digest is that of the .py file now: an edited module
-runs interpreted until the next build, never a stale build. PBKV_COMPILED=0 turns both the build
+`BUILD_DIR`, each extension named by a digest of the source bytes it was built from. A module may
+have C declarations beside it (Cython's augmenting `.pxd`: its classes' fields as extension types,
+and `cython.locals` in the .py typing the hot loops' locals as those classes), read only by the
+build and part of the digest; a field keeps its Python type (object, or a C double or integer where
+the .py only ever stores one), so the numbers stay the same. At import, `CompiledFinder` looks for
+the extension whose digest is that of the .py (and .pxd) file now: an edited module runs
+interpreted until the next build, never a stale build. PBKV_COMPILED=0 turns both the build
 and the hook off (to profile the Python with cProfile or py-spy, which do not see into the
 extensions, or to compare the two).
 """
@@ -58,26 +62,40 @@ def source_file(name: str) -> Path:
     return ROOT.joinpath(*name.split(".")).with_suffix(".py")
 
 
-def digest(source: bytes) -> str:
-    """Names a build: the source's bytes and the directives it was compiled with."""
+def declarations_file(name: str) -> Path:
+    """The module's C declarations for its build (Cython's augmenting .pxd beside the .py: types for
+    its classes' fields and locals, no code), where it has one."""
+    return source_file(name).with_suffix(".pxd")
+
+
+def declarations(name: str) -> bytes:
+    path = declarations_file(name)
+    return path.read_bytes() if path.is_file() else b""
+
+
+def digest(source: bytes, declared: bytes = b"") -> str:
+    """Names a build: the source's bytes, its declarations' and the directives it was compiled with."""
     h = hashlib.blake2b(digest_size=10)
     h.update(repr(sorted(DIRECTIVES.items())).encode() + b"\x00" + source)
+    if declared:
+        h.update(b"\x00pxd\x00" + declared)
     return h.hexdigest()
 
 
-def build_file(name: str, source: bytes) -> Path:
+def build_file(name: str, source: bytes, declared: bytes = b"") -> Path:
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]  # this interpreter's ABI, e.g. .cpython-311-x86_64-linux-gnu.so
-    return BUILD_DIR / f"{name}.{digest(source)}{suffix}"
+    return BUILD_DIR / f"{name}.{digest(source, declared)}{suffix}"
 
 
-def compiled_path(name: str, source: bytes | None = None) -> Path | None:
-    """The build of module `name` from `source` (default: its .py file now), or None if there is none."""
-    if source is None:
-        try:
-            source = source_file(name).read_bytes()
-        except OSError:
-            return None
-    path = build_file(name, source)
+def compiled_path(name: str, source: bytes | None = None, declared: bytes | None = None) -> Path | None:
+    """The build of module `name` from `source` and `declared` (default: its .py and .pxd files
+    now), or None if there is none."""
+    try:
+        source = source_file(name).read_bytes() if source is None else source
+        declared = declarations(name) if declared is None else declared
+    except OSError:
+        return None
+    path = build_file(name, source, declared)
     return path if path.is_file() else None
 
 
@@ -119,15 +137,17 @@ def build(jobs: int = 2) -> list[str]:
     from setuptools.command.build_ext import build_ext
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    sources = {name: source_file(name).read_bytes() for name in MODULES}
-    todo = {name: source for name, source in sources.items() if compiled_path(name, source) is None}
+    sources = {name: (source_file(name).read_bytes(), declarations(name)) for name in MODULES}
+    todo = {name: both for name, both in sources.items() if compiled_path(name, *both) is None}
     if todo:
         with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
             extensions = []
-            for name, source in todo.items():
+            for name, (source, declared) in todo.items():
                 copy = Path(tmp, "src", *name.split(".")).with_suffix(".py")
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 copy.write_bytes(source)
+                if declared:
+                    copy.with_suffix(".pxd").write_bytes(declared)
                 extensions.append(Extension(name, [str(copy.relative_to(Path(tmp, "src")))]))
             # from inside the copies' root, Cython records each file as serving_integration/...py: a
             # traceback then shows the lines of the real file (on sys.path), which is that very source
@@ -138,9 +158,9 @@ def build(jobs: int = 2) -> list[str]:
             command.build_lib, command.build_temp, command.parallel = str(Path(tmp, "lib")), str(Path(tmp, "o")), jobs
             command.ensure_finalized()
             command.run()
-            for name, source in todo.items():
-                os.replace(command.get_ext_fullpath(name), build_file(name, source))
-    current = {build_file(name, source).name for name, source in sources.items()}
+            for name, both in todo.items():
+                os.replace(command.get_ext_fullpath(name), build_file(name, *both))
+    current = {build_file(name, *both).name for name, both in sources.items()}
     for old in BUILD_DIR.iterdir():
         if old.is_file() and old.name not in current:
             old.unlink()

@@ -84,6 +84,8 @@ import math
 from itertools import accumulate
 from typing import Callable, Hashable, Protocol, Sequence
 
+import cython
+
 from serving_integration.cache.config import TrustConfig
 from serving_integration.cache.workload import prefix_tokens_in
 
@@ -307,6 +309,7 @@ class LruShadowCache(ShadowCache):
             live.pop(key, None)
             heapq.heappush(self.heap, ((0, entry.stamp), seq, key))
 
+    @cython.locals(entry=ShadowEntry)
     def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
         heap, held, live, children = self.heap, self.held, self.live, self.children
         while heap:  # retired keys first, oldest first
@@ -323,7 +326,7 @@ class LruShadowCache(ShadowCache):
         return None
 
     def evict(self, key) -> None:
-        super().evict(key)
+        ShadowCache.evict(self, key)  # cpdef: Cython compiles no zero-argument super() in it
         self.live.pop(key, None)
 
     def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
@@ -457,6 +460,7 @@ class OutcomeTrust:
         self._hold(workflow, agent, keys, sizes)
         self._make_room()
 
+    @cython.locals(entry=ShadowEntry, shadow=ShadowCache)
     def _release(self, keys: Sequence, reserved: tuple, held_now: Sequence) -> None:
         """A finished call's keys: unlocked, and back into the orders of the shadows that hold them
         (those about to be held again are pushed then, with their new rank); its reservations end."""
@@ -476,6 +480,7 @@ class OutcomeTrust:
                     if key in shadow.held:
                         shadow.push(key, entry, seq)
 
+    @cython.locals(entry=ShadowEntry, score=ShadowCache, lru=LruShadowCache)
     def _hold(self, workflow: str, agent: str | None, keys: Sequence, sizes: Sequence) -> None:
         """The workflow's call read these keys, and the cache now holds them all."""
         table = self.tables.get(workflow)
@@ -544,6 +549,7 @@ class OutcomeTrust:
         if workflow in self.tables:
             self._revised[workflow] = None
 
+    @cython.locals(entry=ShadowEntry, score_shadow=ShadowCache, lru_shadow=ShadowCache)
     def _refresh(self) -> None:
         """Read each revised workflow's v_w again: a retired one leaves its keys' readers, a new
         prediction rescores its keys. Both change ranks, so the keys are pushed again."""
@@ -577,6 +583,7 @@ class OutcomeTrust:
                 if key not in locked and key in score_shadow.held:
                     score_shadow.push(key, entry, seq)
 
+    @cython.locals(shadow=ShadowCache, other=ShadowCache)
     def _make_room(self) -> None:
         """Each shadow over its capacity evicts by its own order down to (1 - slack) x its capacity;
         a key neither holds any more is forgotten."""

@@ -32,6 +32,8 @@ import heapq
 import itertools
 from typing import Callable, Iterable, Sequence
 
+import cython
+
 from serving_integration.cache.workload import ROOT_KEY, chain, first_and_last_key
 
 class Node:
@@ -111,6 +113,7 @@ class RadixTree:
             del dirty[node]  # its place among equal priorities is that of its latest refresh
         dirty[node] = None
 
+    @cython.locals(node=Node)
     def _flush(self) -> None:
         """Enter every node refreshed since the last flush (gpu_evictable / host_evictable, inlined:
         this is the simulator's hottest loop)."""
@@ -176,6 +179,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ structure
 
+    @cython.locals(node=Node, cur=Node)
     def _new_node(self, parent: Node, units: tuple, lens: tuple) -> Node:
         node = Node(next(self._ids), parent, units, lens)
         node.last_access_time = node.creation_time = self.tick()
@@ -191,6 +195,7 @@ class RadixTree:
             cur = cur.parent
         return node
 
+    @cython.locals(node=Node, prefix=Node, parent=Node)
     def _split(self, node: Node, at: int) -> Node:
         """Split `node` after `at` units; returns the new prefix node (the parent of `node`)."""
         parent = node.parent
@@ -218,6 +223,7 @@ class RadixTree:
         self.refresh(node)
         return prefix
 
+    @cython.locals(parent=Node)
     def _delete(self, node: Node) -> None:
         """Remove a node and its subtree from the tree (both tiers)."""
         for child in list(node.children.values()):
@@ -239,6 +245,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match and insert
 
+    @cython.locals(node=Node, child=Node, n=cython.Py_ssize_t, i=cython.Py_ssize_t)
     def match(self, units: Sequence, lens: Sequence[int]) -> list[Node]:
         """Longest cached prefix: the path of nodes (GPU nodes, then host-only nodes).
 
@@ -281,6 +288,7 @@ class RadixTree:
             node = child
         return path, on_gpu, i
 
+    @cython.locals(node=Node, child=Node, leaf=Node, n=cython.Py_ssize_t, i=cython.Py_ssize_t)
     def insert(self, units: Sequence, lens: Sequence[int], refresh: bool = True) -> tuple[int, list[Node]]:
         """Insert a key whose KV the caller holds on the GPU; returns (tokens the tree already
         had on the GPU, which the caller frees as duplicates, and the path). Nodes the key
@@ -316,6 +324,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ tiers
 
+    @cython.locals(parent=Node)
     def _set_gpu(self, node: Node, on: bool) -> None:
         if node.on_gpu == on:
             return
@@ -361,6 +370,7 @@ class RadixTree:
         `evictable_size()`, which its scheduler adds to the free tokens before admitting."""
         return self.gpu_used - self.gpu_locked
 
+    @cython.locals(node=Node)
     def evict_gpu(self, tokens: int, allow: Callable[[Node], bool] | None = None) -> list[Node]:
         """Evict whole nodes in policy order until `tokens` are freed; `allow` can veto a node
         (conservative prefetch frees only retired cache). Returns the evicted nodes."""
@@ -407,6 +417,7 @@ class RadixTree:
         if units < len(node.units):
             self._split(node, len(node.units) - units).last_access_time = node.last_access_time
 
+    @cython.locals(node=Node)
     def evict_host(self, tokens: int) -> int:
         freed = 0
         self._flush()
@@ -426,6 +437,7 @@ class RadixTree:
     # A lock is held on a path's last node and covers its ancestors, walked at lock and unlock
     # time (as SGLang's inc/dec_lock_ref do), so a split of a locked node stays locked.
 
+    @cython.locals(parent=Node)
     def lock(self, node: Node) -> None:
         while node is not self.root:
             node.lock_ref += 1
@@ -437,6 +449,7 @@ class RadixTree:
             assert parent is not None, f"{node} is not in the tree"
             node = parent
 
+    @cython.locals(parent=Node)
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             node.lock_ref -= 1

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -36,10 +37,27 @@ def test_an_edited_source_is_not_served_an_older_build():
     name = "serving_integration.simulator.engine"
     source = compiled.source_file(name).read_bytes()
     assert compiled.compiled_path(name, source + b"\n# edited\n") is None
+    declared = "serving_integration.simulator.radix"  # its build reads radix.pxd too, so its name does
+    assert compiled.declarations(declared), "radix.pxd"
+    assert compiled.compiled_path(declared, declared=compiled.declarations(declared) + b"\n# edited\n") is None
     finder = compiled.CompiledFinder()
     assert finder.find_spec("serving_integration.simulator.config") is None  # not a compiled module
     if not INTERPRETED:
         assert finder.find_spec(name).origin == str(compiled.compiled_path(name))
+
+
+@pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: the modules run interpreted")
+def test_the_declared_classes_are_extension_types_in_the_builds():
+    """The .pxd declarations took effect: a declared field is the extension type's own (a getset
+    descriptor), not a __slots__ member, and an undeclared one cannot be set."""
+    from serving_integration.cache import trust
+    from serving_integration.simulator import radix
+
+    for cls, field in ((radix.Node, "lock_ref"), (trust.ShadowEntry, "stamp"), (trust.TimeShadowEntry, "queued"),
+                       (trust.ShadowCache, "used"), (trust.LruShadowCache, "live")):
+        assert isinstance(getattr(cls, field), types.GetSetDescriptorType), f"{cls.__name__}.{field}"
+    with pytest.raises(AttributeError):
+        radix.Node(1, None, (7,), (3,)).undeclared = 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: nothing compiled to compare")
