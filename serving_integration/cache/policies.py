@@ -657,6 +657,7 @@ class PBKVTime(_JudgedPolicy):
         if not time_tau_s > 0:
             raise ValueError(f"pbkv.time_tau_s must be above 0; got {time_tau_s}")
         self.tau, self.gamma = time_tau_s, gamma
+        self.values_key = ("pbkv_time.step_values", gamma, time_tau_s)  # names a table of `step_values`
         # workflow -> (log of the discount of its prediction's time, agent -> value from step 1 on,
         # agent -> value from step 2 on), the values relative to that discount
         self.predicted: dict[str, tuple[float, dict[str, float], dict[str, float]]] = {}
@@ -669,13 +670,25 @@ class PBKVTime(_JudgedPolicy):
     def _log_discount(self, t: float) -> float:
         return -t / self.tau
 
-    def on_predictions(self, workflows, agent_names, probs, seconds, now):
+    def step_values(self, probs, seconds) -> tuple[np.ndarray, np.ndarray]:
+        """probs [B, K, A+1] (END last), seconds [B, K] or None -> each agent's value summed from step
+        1 on and from step 2 on ([B, A] each): gamma^(k-1) s^(k) e^(-t_k / tau) P^(k)[a] summed over
+        k. Row by row the same floats whatever else shares the batch (elementwise work and a sum over
+        the K axis in order, as `fold`), so the simulator tables them before a replay
+        (`values_key`, PrefixTable.lookup_derived) as it tables PBKV's folded predictions."""
         weight, probs = step_weights(probs, self.gamma)  # gamma^(k-1) s^(k), as PBKV's fold weighs each step
         if seconds is not None:
             weight = weight * np.exp(-np.clip(np.asarray(seconds, dtype=np.float64), 0.0, None) / self.tau)
         agents = probs[:, :, :-1] * weight[:, :, None]
         after_first = agents[:, 1:].sum(axis=1)
-        later, total = after_first.tolist(), (agents[:, 0] + after_first).tolist()
+        return agents[:, 0] + after_first, after_first
+
+    def on_predictions(self, workflows, agent_names, probs, seconds, now):
+        return self.on_step_values(workflows, agent_names, *self.step_values(probs, seconds), now)
+
+    def on_step_values(self, workflows, agent_names, total, later, now):
+        """`on_predictions` from its `step_values`."""
+        later, total = later.tolist(), total.tolist()
         offset, changed = self._log_discount(now), []
         for i, w in enumerate(workflows):
             if not self.ledger.is_live(w):

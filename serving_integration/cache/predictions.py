@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 from types import SimpleNamespace
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -148,6 +148,7 @@ class PrefixTable:
         if times is None:
             self._workflows = []
         self._folded: dict[float, tuple[np.ndarray, int]] = {}  # gamma -> (packed Folded rows, agents)
+        self._derived: dict[Hashable, tuple[np.ndarray, ...]] = {}  # key -> lookup_derived's arrays
 
     def _prefix_batches(self):
         """Every prefix of every workflow, in table order, a batch of about `batch_size` at a time
@@ -192,6 +193,19 @@ class PrefixTable:
                 return None
             self.seconds = np.concatenate([np.asarray(c) for c in chunks])
         return self.seconds[index]
+
+    def lookup_derived(self, workflows, key: Hashable, derive: Callable) -> list[np.ndarray] | None:
+        """The rows of these workflows of `derive(probs, seconds)` (arrays with a row per prefix;
+        seconds None where the source gives no times), computed once for the whole table under
+        `key`: only for a derivation whose rows do not depend on which other rows share the batch,
+        as `fold`'s. None if a workflow is not in the table."""
+        index = self.index(workflows)
+        if index is None:
+            return None
+        if key not in self._derived:
+            self.lookup_times(workflows)  # the table's times, where the source gives them
+            self._derived[key] = tuple(derive(self.probs, self.seconds))
+        return [a[index] for a in self._derived[key]]
 
     def lookup_folded(self, workflows, gamma: float) -> Folded | None:
         """The folded rows (`fold`, computed once for the whole table) of these workflows."""
@@ -247,6 +261,11 @@ class _Tabled:
     def predict_folded(self, workflows, gamma: float) -> Folded | None:
         """The predictions already folded for the cache (`fold`), from the table; None without one."""
         return self.table.lookup_folded(workflows, gamma) if self.table is not None else None
+
+    def predict_derived(self, workflows, key: Hashable, derive: Callable) -> list[np.ndarray] | None:
+        """`derive(probs, seconds)` of the predictions, from the table (PrefixTable.lookup_derived);
+        None without one."""
+        return self.table.lookup_derived(workflows, key, derive) if self.table is not None else None
 
     def times_uncached(self, workflows) -> np.ndarray | None:
         return None  # a source that gives times says so

@@ -579,12 +579,17 @@ class Server:
         ids, names = [w.id for w in batch], predictions.agent_names
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
         tabled = getattr(predictions, "predict_folded", None)
-        unfolded = graph_steps is not None or self.policy.reads_times  # pbkv_time reads each step's P^(k)
-        folded = tabled(batch, self.ledger.gamma) if tabled is not None and not unfolded else None
+        folded = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
+        values = None
+        if folded is not None and self.policy.reads_times:  # pbkv_time: each step's P^(k) and time, tabled too
+            values = predictions.predict_derived(batch, self.policy.values_key, self.policy.step_values)
+            folded = folded if values is not None else None
         steps = None
         if folded is not None:  # computed before the replay, already folded for the ledger
             measured = time.perf_counter() - started
             changed = self.ledger.set_folded(ids, names, folded)
+            if values is not None:
+                self.tree.refresh_ids(self.policy.on_step_values(ids, names, *values, self.now))
         else:
             probs = predictions.predict(batch)
             steps = graph_steps(batch) if graph_steps else None

@@ -544,11 +544,19 @@ def test_pbkv_time_reads_tabled_times_as_per_step_ones():
     tabled_source = PerfectSource(names, 3)
     tabled = simulate(workflows, config, H100, policy="pbkv_time", predictions=tabled_source)
     assert tabled_source.table.seconds is not None  # read from the table
+    assert tabled_source.table._derived  # and the policy's step values made from it (lookup_derived)
     assert tabled == simulate(workflows, config, H100, policy="pbkv_time", predictions=_PerStep(names, 3))
     index = {a: i for i, a in enumerate(names)}
     markov = MarkovPredictor.from_sequences(names, 3, [[index[c.agent] for c in w.calls] for w in workflows], order=1)
     assert predict_times(ModelSource(markov), [w]) is None
-    assert simulate(workflows, config, H100, policy="pbkv_time", predictions=ModelSource(markov))["hit_rate"] > 0
+
+    class MarkovPerStep(ModelSource):
+        batch_invariant = False
+
+    tabled_markov = ModelSource(markov)
+    without_times = simulate(workflows, config, H100, policy="pbkv_time", predictions=tabled_markov)
+    assert without_times["hit_rate"] > 0 and tabled_markov.table._derived
+    assert without_times == simulate(workflows, config, H100, policy="pbkv_time", predictions=MarkovPerStep(markov))
 
 
 def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
