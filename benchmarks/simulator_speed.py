@@ -8,19 +8,19 @@
 Replays every workflow of a generated dataset (all splits) under each policy (pbkv under each trust
 mode, with the microseconds per call spent in its trust judge and the replay's slowdown against
 trust=always), the best of --repeats replays (fewer once a policy's replays took REPEAT_BUDGET_S),
-and prints wall time, simulated calls per second and the hit rate, then the offline upper bound on the run's own request sequence (its LP size and solve
-time, apart from the replay's). The predictive policies run on the perfect predictor; with
-`--checkpoint` (a train.py checkpoint trained on the same workload) pbkv also runs on it, its
-predictions computed once per scheduler step (evaluate.py's `predictor.tabulate=false`) and tabled
-before the replay (the default). A replay's wall time includes computing its table. With
-`--scaling`, a table of wall time, calls per second and peak resident memory of lru, pbkv (perfect
-predictions, its default trust judge) and pbkv [always] (the paper's policy: no judge) at each
-number of workflows, each replay in a fresh process (its peak is its
-own, loading the workload included). Then it times evict_gpu on trees of
-growing size (the heap built first), to show how the per-eviction cost grows with n; then runs one
-insert / match / lock / unlock / evict stream through our tree and through SGLang 0.5.23's own
-`RadixCache` (CPU, `create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in this process
-and prints operations per second of each and ours / theirs.
+and prints wall time, simulated calls per second and the hit rate, then the offline upper bound on
+the run's own request sequence (its LP size and solve time, apart from the replay's). The predictive
+policies run on the perfect predictor; with `--checkpoint` (a train.py checkpoint trained on the
+same workload) pbkv also runs on it, its predictions computed once per scheduler step (evaluate.py's
+`predictor.tabulate=false`) and tabled before the replay (the default). A replay's wall time
+includes computing its table. With `--scaling`, a table of wall time, calls per second and peak
+resident memory of lru, pbkv (perfect predictions, its default trust judge) and pbkv [always] (the
+paper's policy: no judge) at each number of workflows, each replay in a fresh process (its peak is
+its own, loading the workload included). Then it times evict_gpu on trees of growing size (the heap
+built first), to show how the per-eviction cost grows with n; then runs one insert / match / lock /
+unlock / evict stream through our tree and through SGLang 0.5.23's own `RadixCache` (CPU,
+`create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in this process and prints
+operations per second of each and ours / theirs.
 """
 
 from __future__ import annotations
@@ -392,8 +392,8 @@ def main() -> None:
     parser.add_argument("--routing", default="none")
     parser.add_argument("--checkpoint", help="a train.py checkpoint: pbkv on it too (per step and tabled)")
     parser.add_argument("--scaling", help="comma-separated numbers of workflows for the scaling table, e.g. 1000,10000")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help=f"replays per policy, the best wall time counted (fewer once {REPEAT_BUDGET_S:.0f} s are spent)")
+    parser.add_argument("--repeats", type=int, default=3, help="replays per policy, the best wall time counted "
+                        f"(fewer once {REPEAT_BUDGET_S:.0f} s are spent)")
     parser.add_argument("--no-eviction-cost", action="store_true", help="skip the evict_gpu timing")
     parser.add_argument("--tree-ops", type=int, default=20_000, help="operations of the tree-vs-SGLang stream")
     parser.add_argument("--only-tree-vs-sglang", action="store_true")
