@@ -183,16 +183,19 @@ class PrefixTable:
         """The tabled times of these workflows (computed for the whole table on the first call),
         or None if the source gives none or a workflow is not in the table."""
         index = self.index(workflows)
-        if index is None or self._times is None:
-            return None
-        if self.seconds is None:
+        seconds = None if index is None else self._all_times()
+        return None if seconds is None else seconds[index]
+
+    def _all_times(self) -> np.ndarray | None:
+        """The whole table's times, computed on the first call; None if the source gives none."""
+        if self.seconds is None and self._times is not None:
             chunks = [self._times(batch) for batch in self._prefix_batches()]
             self._workflows = []
             if any(c is None for c in chunks):  # a source without times (a checkpoint saved before them)
                 self._times = None
                 return None
             self.seconds = np.concatenate([np.asarray(c) for c in chunks])
-        return self.seconds[index]
+        return self.seconds
 
     def lookup_derived(self, workflows, key: Hashable, derive: Callable) -> list[np.ndarray] | None:
         """The rows of these workflows of `derive(probs, seconds)` (arrays with a row per prefix;
@@ -203,8 +206,7 @@ class PrefixTable:
         if index is None:
             return None
         if key not in self._derived:
-            self.lookup_times(workflows)  # the table's times, where the source gives them
-            self._derived[key] = tuple(derive(self.probs, self.seconds))
+            self._derived[key] = tuple(derive(self.probs, self._all_times()))
         return [a[index] for a in self._derived[key]]
 
     def lookup_folded(self, workflows, gamma: float) -> Folded | None:
