@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from data.generators import Hover, SweBench
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys, workflows_from_rows
 from serving_integration.simulator.engine import INF, LPM_QUEUE_MAX, Server, SimConfig, Simulator, bound_metrics, simulate
@@ -499,17 +499,20 @@ class _PerStep(PerfectSource):
     batch_invariant = False
 
 
+class _ModelPerStep(ModelSource):
+    """A trained predictor called once per scheduler step, as before tabling."""
+
+    batch_invariant = False
+
+
 def test_tabled_predictions_replay_exactly_as_per_step_predictions():
     from models.markov import MarkovPredictor
-    from serving_integration.cache.predictions import ModelSource, NoisySource, OnlineBackoff
+    from serving_integration.cache.predictions import NoisySource, OnlineBackoff
 
     workflows = small_workload("hover", 40, 2)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     index = {a: i for i, a in enumerate(names)}
     markov = MarkovPredictor.from_sequences(names, 3, [[index[c.agent] for c in w.calls] for w in workflows], order=1)
-
-    class MarkovPerStep(ModelSource):
-        batch_invariant = False
 
     config = SimConfig(gpu_tokens=120_000, concurrency=8)
     for policy, prefetch in (("pbkv", "conservative"), ("oracle", "aggressive"), ("pbkv", "none")):
@@ -522,7 +525,7 @@ def test_tabled_predictions_replay_exactly_as_per_step_predictions():
     assert source.batch_invariant
     tabled = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(source))
     assert source.table is not None and source.table.covers(workflows)
-    per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(MarkovPerStep(markov)))
+    per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(_ModelPerStep(markov)))
     assert tabled == per_step
 
 
@@ -531,7 +534,7 @@ def test_pbkv_time_reads_tabled_times_as_per_step_ones():
     as a per-step source gives them: the perfect source's are the summed tool times of the next K
     calls. A source without times (this Markov fit) leaves the order to the queue and the scores."""
     from models.markov import MarkovPredictor
-    from serving_integration.cache.predictions import ModelSource, predict_times
+    from serving_integration.cache.predictions import predict_times
 
     workflows = small_workload("hover", 40, 2)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
@@ -550,13 +553,10 @@ def test_pbkv_time_reads_tabled_times_as_per_step_ones():
     markov = MarkovPredictor.from_sequences(names, 3, [[index[c.agent] for c in w.calls] for w in workflows], order=1)
     assert predict_times(ModelSource(markov), [w]) is None
 
-    class MarkovPerStep(ModelSource):
-        batch_invariant = False
-
     tabled_markov = ModelSource(markov)
     without_times = simulate(workflows, config, H100, policy="pbkv_time", predictions=tabled_markov)
     assert without_times["hit_rate"] > 0 and tabled_markov.table._derived
-    assert without_times == simulate(workflows, config, H100, policy="pbkv_time", predictions=MarkovPerStep(markov))
+    assert without_times == simulate(workflows, config, H100, policy="pbkv_time", predictions=_ModelPerStep(markov))
 
 
 def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
@@ -567,7 +567,6 @@ def test_a_tabled_network_replays_as_per_step_up_to_its_float32_rounding():
 
     from models.graph import CallGraph
     from models.graphsage import GraphSAGEPredictor
-    from serving_integration.cache.predictions import ModelSource
 
     workflows = small_workload("hover", 40, 2)
     names = vocabulary(c.agent for w in workflows for c in w.calls)
