@@ -94,6 +94,14 @@ another); wherever the cache holds k it holds at least s_k tokens of it.
    admissions are known exactly: `prefetch_budgets` puts their PCIe tokens on the last gap before
    the later admission. That is no loss for (P): an interval that spans any gap between two
    admissions ends at a read, an admission, so it spans the last gap before the later one too.
+   Each prefetch round loads whole tokens, at most int(its seconds x the PCIe rate), so the loads
+   of a window W are an integer L <= S_W + e, with S_W the sum of W's budgets and e the clocks'
+   rounding. `prefetch_budgets` rounds each budget up to a whole token after taking BUDGET_SLACK off
+   it; the rounded budgets sum to at least S_W - |W| BUDGET_SLACK, and, being integers, to at least
+   L whenever |W| BUDGET_SLACK + e < 1 (a window of fewer than a million gaps). So the rounding keeps
+   (P) valid, and it makes equal request sequences give equal budgets: the clocks of two policies
+   that admitted the same calls at the same times differ in their last bits (sums in another
+   order), and equal budgets let `upper_bounds` answer the second from memory.
    (P) is kept for the windows of two dyadic hierarchies over the gaps that carry a budget
    (offsets 0 and a third of the top window: every interval then lies in a window at most about
    six times its own length); any subset of valid constraints is a relaxation. With H = 0 there
@@ -150,6 +158,10 @@ PREFETCH_LP_COST = 10
 # request (a hit whatever the cache did), and never inserted by a finish (a miss whatever it did)
 FREE, MISSED = -2, -1
 
+# What prefetch_budgets takes off each budget before rounding it up to a whole token: more than the
+# clocks' rounding, and less than one token over a million gaps (point 5)
+BUDGET_SLACK = 1e-6
+
 # Bounds of the sequences solved last in this process, by their LP's inputs: policies that make the
 # same request sequence (lru and lifecycle-aware LRU without retirements, a judged policy that never
 # switched and its always-trust row) get its bounds without solving the same LPs again
@@ -204,7 +216,8 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
     consecutive admissions the simulator prefetches only in decode iterations and idle time, and
     the admission's clocks (engine.Request.admitted, .clocks: prefill, decode, PCIe, predictor
     seconds so far) give that time: the clock less prefill, PCIe and predictor seconds. The whole
-    window's budget is put on the last gap before the later admission."""
+    window's budget is put on the last gap before the later admission, in whole tokens (rounded
+    up after BUDGET_SLACK is taken off: point 5)."""
     budgets = np.zeros(len(trace), dtype=np.float64)
     seen: set[int] = set()
     previous = None  # decode + idle seconds at the previous admission
@@ -217,7 +230,8 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
         if previous is not None and e > 0:
             budgets[e - 1] = max(window - previous, 0.0) * pcie_tokens_per_s
         previous = window
-    return budgets
+    rounded = np.ceil(budgets - BUDGET_SLACK)
+    return np.where(rounded > 0, rounded, 0.0)  # no -0.0: budgets are compared by their bytes
 
 
 def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = None,

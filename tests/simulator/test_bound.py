@@ -5,6 +5,7 @@ instances; never below what a simulator run reaches on its own sequence."""
 
 import dataclasses
 import itertools
+import math
 import random
 from functools import lru_cache
 
@@ -401,6 +402,31 @@ def test_no_policy_beats_its_own_bound(kind, gpu, pcie):
     if pcie < 1e9:  # the PCIe budget binds: less than every hit in either tier could be brought back
         aggressive = rows["pbkv+aggressive"]
         assert aggressive["bound_prefetch_hit_rate"] < 1 - aggressive["bound_recompute_rate"] - 0.01
+
+
+def test_prefetch_budgets_are_whole_tokens_blind_to_the_clocks_last_bits():
+    """Policies that admit the same calls at the same times sum their clocks in another order: the
+    budgets, whole tokens, come out equal (so upper_bounds solves their prefetch LP once), each at
+    least the clocks' own budget less BUDGET_SLACK, and below it plus one token."""
+    from serving_integration.simulator.bound import BUDGET_SLACK, prefetch_budgets
+    from serving_integration.simulator.engine import Simulator
+
+    cost = dataclasses.replace(H100, pcie_bandwidth=2e8)
+    sim = Simulator(small_workload("swebench", 30, 3), SimConfig(gpu_tokens=120_000, concurrency=8), cost,
+                    policy="lru")
+    sim.run()
+    trace = sim.servers[0].trace
+    budgets = prefetch_budgets(trace, cost.pcie_tokens_per_s)
+    assert np.count_nonzero(budgets) > 10 and np.array_equal(budgets, np.floor(budgets))
+    for step in (math.inf, -math.inf):  # every admission's clock one bit later, or earlier
+        nudged = {id(r): dataclasses.replace(r, admitted=math.nextafter(r.admitted, step)) for r in trace}
+        assert prefetch_budgets([nudged[id(r)] for r in trace], cost.pcie_tokens_per_s).tobytes() == budgets.tobytes()
+    clocks = {id(r): r.admitted - sum(r.clocks) + r.clocks[1] for r in trace}  # decode + idle seconds
+    admissions = sorted({id(r): e for e, r in reversed(list(enumerate(trace)))}.values())  # each request's first event
+    raw = np.zeros(len(trace))
+    for before, at in zip(admissions, admissions[1:]):
+        raw[at - 1] = max(clocks[id(trace[at])] - clocks[id(trace[before])], 0.0) * cost.pcie_tokens_per_s
+    assert np.all(budgets >= raw - BUDGET_SLACK) and np.all(budgets < raw + 1)
 
 
 def test_a_clusters_bounds_are_the_sum_of_its_replicas():
