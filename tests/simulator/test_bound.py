@@ -422,7 +422,10 @@ def test_prefetch_budgets_are_whole_tokens_blind_to_the_clocks_last_bits():
         nudged = {id(r): dataclasses.replace(r, admitted=math.nextafter(r.admitted, step)) for r in trace}
         assert prefetch_budgets([nudged[id(r)] for r in trace], cost.pcie_tokens_per_s).tobytes() == budgets.tobytes()
     clocks = {id(r): r.admitted - sum(r.clocks) + r.clocks[1] for r in trace}  # decode + idle seconds
-    admissions = sorted({id(r): e for e, r in reversed(list(enumerate(trace)))}.values())  # each request's first event
+    admitted_at: dict[int, int] = {}  # request -> its first event, the admission
+    for e, r in enumerate(trace):
+        admitted_at.setdefault(id(r), e)
+    admissions = list(admitted_at.values())
     raw = np.zeros(len(trace))
     for before, at in zip(admissions, admissions[1:]):
         raw[at - 1] = max(clocks[id(trace[at])] - clocks[id(trace[before])], 0.0) * cost.pcie_tokens_per_s
