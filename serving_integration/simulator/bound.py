@@ -218,6 +218,13 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
     seconds so far) give that time: the clock less prefill, PCIe and predictor seconds. The whole
     window's budget is put on the last gap before the later admission, in whole tokens (rounded
     up after BUDGET_SLACK is taken off: point 5)."""
+    rounded = np.ceil(clock_budgets(trace, pcie_tokens_per_s) - BUDGET_SLACK)
+    return np.where(rounded > 0, rounded, 0.0)  # no -0.0: budgets are compared by their bytes
+
+
+def clock_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
+    """`prefetch_budgets` as the clocks give them, before rounding (fractions of a token, and the
+    clocks' last bits)."""
     budgets = np.zeros(len(trace), dtype=np.float64)
     seen: set[int] = set()
     previous = None  # decode + idle seconds at the previous admission
@@ -230,8 +237,7 @@ def prefetch_budgets(trace: Sequence, pcie_tokens_per_s: float) -> np.ndarray:
         if previous is not None and e > 0:
             budgets[e - 1] = max(window - previous, 0.0) * pcie_tokens_per_s
         previous = window
-    rounded = np.ceil(budgets - BUDGET_SLACK)
-    return np.where(rounded > 0, rounded, 0.0)  # no -0.0: budgets are compared by their bytes
+    return budgets
 
 
 def intervals(events: Iterable[Event], capacity: int, keys_out: list | None = None,

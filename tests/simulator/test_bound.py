@@ -408,7 +408,7 @@ def test_prefetch_budgets_are_whole_tokens_blind_to_the_clocks_last_bits():
     """Policies that admit the same calls at the same times sum their clocks in another order: the
     budgets, whole tokens, come out equal (so upper_bounds solves their prefetch LP once), each at
     least the clocks' own budget less BUDGET_SLACK, and below it plus one token."""
-    from serving_integration.simulator.bound import BUDGET_SLACK, prefetch_budgets
+    from serving_integration.simulator.bound import BUDGET_SLACK, clock_budgets, prefetch_budgets
     from serving_integration.simulator.engine import Simulator
 
     cost = dataclasses.replace(H100, pcie_bandwidth=2e8)
@@ -421,14 +421,8 @@ def test_prefetch_budgets_are_whole_tokens_blind_to_the_clocks_last_bits():
     for step in (math.inf, -math.inf):  # every admission's clock one bit later, or earlier
         nudged = {id(r): dataclasses.replace(r, admitted=math.nextafter(r.admitted, step)) for r in trace}
         assert prefetch_budgets([nudged[id(r)] for r in trace], cost.pcie_tokens_per_s).tobytes() == budgets.tobytes()
-    clocks = {id(r): r.admitted - sum(r.clocks) + r.clocks[1] for r in trace}  # decode + idle seconds
-    admitted_at: dict[int, int] = {}  # request -> its first event, the admission
-    for e, r in enumerate(trace):
-        admitted_at.setdefault(id(r), e)
-    admissions = list(admitted_at.values())
-    raw = np.zeros(len(trace))
-    for before, at in zip(admissions, admissions[1:]):
-        raw[at - 1] = max(clocks[id(trace[at])] - clocks[id(trace[before])], 0.0) * cost.pcie_tokens_per_s
+    raw = clock_budgets(trace, cost.pcie_tokens_per_s)
+    assert not np.array_equal(raw, np.floor(raw))  # the clocks' own budgets have fractions
     assert np.all(budgets >= raw - BUDGET_SLACK) and np.all(budgets < raw + 1)
 
 
