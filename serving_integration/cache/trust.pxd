@@ -9,21 +9,28 @@ cdef class ShadowEntry:
     cdef public object size, first, stamp, score
     cdef public bint shared
     cdef public dict readers, parts
+    cpdef set_part(self, workflow, table)
+    cpdef drop_reader(self, workflow)
+    cpdef rescore(self)
 
 
 cdef class TimeShadowEntry(ShadowEntry):
     cdef public dict queued
+    cpdef set_part(self, workflow, table)
+    cpdef rescore(self)
 
 
+cpdef double log_sum_exp(list terms)
 cpdef tuple lru_rank(ShadowEntry entry)
 cpdef tuple score_rank(ShadowEntry entry)
 
 
 cdef class ShadowCache:
-    cdef public object name, rank, total_hit_tokens
+    cdef public object name, total_hit_tokens
     cdef public double capacity, used, reserved, hit_tokens
     cdef public dict held, children
     cdef public list heap
+    cpdef tuple rank(self, ShadowEntry entry)
     cpdef push(self, key, ShadowEntry entry, seq)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)
@@ -31,6 +38,32 @@ cdef class ShadowCache:
 
 cdef class LruShadowCache(ShadowCache):
     cdef public dict live
+    cpdef tuple rank(self, ShadowEntry entry)
     cpdef push(self, key, ShadowEntry entry, seq)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)
+
+
+# The judge: its fields as struct members (Python objects, as trust.py stores them; the shadows and
+# dicts typed), its hot private methods as C calls; __dict__ keeps instances open to new attributes
+# (benchmarks/simulator_speed.py wraps a judge's observe_* methods to time them)
+cdef class OutcomeTrust:
+    cdef dict __dict__
+    cdef public object values, share, seed, margin, min_calls, z, slack, by_node, decay, clock, shadows
+    cdef public object prompt_tokens, total_prompt_tokens, _dd, _dp, _pp, sampled_calls, trusted, switches
+    cdef public object host_tier
+    cdef public dict parent, ends, entries, tables, keys_of, _revised, locked, running, _sampled
+    cdef public ShadowCache score_shadow
+    cdef public LruShadowCache lru_shadow
+    cpdef is_sampled(self, workflow)
+    cpdef _release(self, keys, reserved, held_now)
+    cpdef _hold(self, workflow, agent, keys, sizes)
+    cpdef _refresh(self)
+    cpdef _make_room(self)
+    cpdef _forget(self, key)
+    cpdef _decide(self)
+
+
+cdef class TimeOutcomeTrust(OutcomeTrust):
+    cdef public dict queued_keys
+    cpdef _refresh(self)

@@ -178,8 +178,10 @@ class ShadowEntry:
         if len(agents) == 1:
             (agent,) = agents
             part = table.get(agent, 0.0)
-        else:
-            part = sum(table.get(a, 0.0) for a in agents)
+        else:  # summed in a loop, as sum() would (a cpdef method may hold no generator)
+            part = 0
+            for a in agents:
+                part += table.get(a, 0.0)
         self.parts[workflow] = part
         self.score = part if len(self.parts) == 1 else sum(self.parts.values())
 
@@ -209,7 +211,9 @@ class TimeShadowEntry(ShadowEntry):
 
     def set_part(self, workflow: str, table: tuple) -> None:
         offset, values = table
-        part = sum(values.get(a, 0.0) for a in self.readers[workflow])
+        part = 0
+        for a in self.readers[workflow]:
+            part += values.get(a, 0.0)
         self.parts[workflow] = offset + math.log(part) if part > 0 else -math.inf
         self.rescore()
 
@@ -217,6 +221,7 @@ class TimeShadowEntry(ShadowEntry):
         self.score = log_sum_exp([*self.queued.values(), *self.parts.values()])  # the policy's order of terms
 
 
+@cython.locals(top=cython.double, total=cython.double, x=cython.double)
 def log_sum_exp(terms: list[float]) -> float:
     """log(sum(exp(x))) over `terms` without overflow (-inf for none); one term is returned as it
     is, so a key with one reader has exactly that reader's term, as in policies.PBKVTime."""
@@ -225,7 +230,10 @@ def log_sum_exp(terms: list[float]) -> float:
     top = max(terms)
     if len(terms) == 1 or top == -math.inf:
         return top
-    return top + math.log(sum(math.exp(x - top) for x in terms))
+    total = 0.0  # summed in a loop, as sum() does on Python 3.11 (a compiled loop, no generator)
+    for x in terms:
+        total += math.exp(x - top)
+    return top + math.log(total)
 
 
 def lru_rank(entry: ShadowEntry) -> tuple:
@@ -244,8 +252,8 @@ class ShadowCache:
     while its rank is the key's rank now, and every change of a key's rank pushes a new item (an
     eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
 
-    def __init__(self, name: str, capacity: float, rank: Callable[[ShadowEntry], tuple]):
-        self.name, self.capacity, self.rank = name, capacity, rank
+    def __init__(self, name: str, capacity: float):
+        self.name, self.capacity = name, capacity
         self.held: dict[Hashable, float] = {}  # key -> tokens charged
         self.used = 0.0
         self.reserved = 0.0  # running calls' prompt tokens in the real tree and not here, less the reverse
@@ -253,6 +261,11 @@ class ShadowCache:
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
         self.children: dict[Hashable, int] = {}  # outcome_unit=node: held key -> its held children
+
+    def rank(self, entry: ShadowEntry) -> tuple:
+        """Its keep order, lowest first: PBKV's (`score_rank`); a method, not a stored function, so that
+        the compiled judge calls it directly."""
+        return score_rank(entry)
 
     def room(self) -> float:
         """The tokens it may hold now: its capacity less its running calls' reservations."""
@@ -269,10 +282,10 @@ class ShadowCache:
         """The next key this shadow's order evicts, off the heap (None: nothing evictable). Locked keys
         leave the heap; they are pushed again when unlocked. `leaves_only`: keys with held children
         leave it too, pushed again when they become leaves (OutcomeTrust._evict_node)."""
-        heap, held, rank, children = self.heap, self.held, self.rank, self.children
+        heap, held, children = self.heap, self.held, self.children
         while heap:
             item_rank, _, key = heapq.heappop(heap)
-            if key not in held or key in locked or rank(entries[key]) != item_rank:
+            if key not in held or key in locked or self.rank(entries[key]) != item_rank:
                 continue  # gone, locked, or stale (a newer item holds its rank)
             if leaves_only and children.get(key):
                 continue
@@ -284,8 +297,7 @@ class ShadowCache:
 
     def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
         """The heap from what is held, once stale items outnumber current ones."""
-        rank = self.rank
-        self.heap = [(rank(entries[key]), seq, key) for key in self.held if key not in locked]
+        self.heap = [(self.rank(entries[key]), seq, key) for key in self.held if key not in locked]
         heapq.heapify(self.heap)
 
 
@@ -296,8 +308,11 @@ class LruShadowCache(ShadowCache):
     when their last reader retires, go through the heap (by stamp). The order is `lru_rank`'s."""
 
     def __init__(self, name: str, capacity: float):
-        super().__init__(name, capacity, lru_rank)
+        super().__init__(name, capacity)
         self.live: dict[Hashable, int] = {}  # live key -> its stamp, oldest first
+
+    def rank(self, entry: ShadowEntry) -> tuple:
+        return lru_rank(entry)
 
     def push(self, key, entry: ShadowEntry, seq: int) -> None:
         live = self.live
@@ -348,7 +363,7 @@ class OutcomeTrust:
 
     mode = "outcome"
     candidate = "pbkv"  # the order it judges (the policy's name)
-    entry_type: type[ShadowEntry] = ShadowEntry
+    entry_type = ShadowEntry  # the shadows' per-key record (TimeOutcomeTrust: TimeShadowEntry)
 
     def __init__(self, options: TrustConfig, values: Callable[[str], dict | None], capacity: float = 0.0):
         self.values = values
@@ -363,7 +378,7 @@ class OutcomeTrust:
         self.decay = 1.0 - 1.0 / options.outcome_window
         self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
         self.clock = 0  # touches, and heap items' sequence
-        self.score_shadow = ShadowCache("pbkv", 0.0, score_rank)
+        self.score_shadow = ShadowCache("pbkv", 0.0)
         self.lru_shadow = LruShadowCache("pbkv_lae", 0.0)
         self.shadows = (self.score_shadow, self.lru_shadow)
         # live sampled workflows with keys in the shadows: their v_w as last read, and their keys
@@ -583,11 +598,12 @@ class OutcomeTrust:
                 if key not in locked and key in score_shadow.held:
                     score_shadow.push(key, entry, seq)
 
-    @cython.locals(shadow=ShadowCache, other=ShadowCache)
+    @cython.locals(shadow=ShadowCache, other=ShadowCache, score=ShadowCache, lru=ShadowCache)
     def _make_room(self) -> None:
         """Each shadow over its capacity evicts by its own order down to (1 - slack) x its capacity;
         a key neither holds any more is forgotten."""
-        if all(shadow.used <= shadow.room() for shadow in self.shadows):
+        score, lru = self.score_shadow, self.lru_shadow
+        if score.used <= score.room() and lru.used <= lru.room():
             return
         self._refresh()
         entries, locked = self.entries, self.locked
@@ -738,7 +754,7 @@ class TimeOutcomeTrust(OutcomeTrust):
     def _refresh(self) -> None:
         for w in [w for w in self._revised if w in self.queued_keys and self.values(w) is None]:
             self._unqueue(w)  # retired while queued (an aborted call)
-        super()._refresh()
+        OutcomeTrust._refresh(self)  # cpdef: Cython compiles no zero-argument super() in it
 
 
 def make_trust(options: TrustConfig, ledger: Ledger, values: Callable[[str], dict | None],
