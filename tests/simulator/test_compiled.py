@@ -54,7 +54,8 @@ def test_the_declared_classes_are_extension_types_in_the_builds():
     from serving_integration.simulator import radix
 
     for cls, field in ((radix.Node, "lock_ref"), (trust.ShadowEntry, "stamp"), (trust.TimeShadowEntry, "queued"),
-                       (trust.ShadowCache, "used"), (trust.LruShadowCache, "live")):
+                       (trust.ShadowCache, "used"), (trust.LruShadowCache, "live"),
+                       (trust.OutcomeTrust, "entries"), (trust.TimeOutcomeTrust, "queued_keys")):
         assert isinstance(getattr(cls, field), types.GetSetDescriptorType), f"{cls.__name__}.{field}"
     with pytest.raises(AttributeError):
         radix.Node(1, None, (7,), (3,)).undeclared = 1
