@@ -59,7 +59,7 @@ from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MOD
     PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import Folded, fold, step_weights
 from serving_integration.cache.trust import TrustMeter  # noqa: F401  (re-exported)
-from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, log_sum_exp, make_trust
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, make_trust
 
 INF = math.inf
 
@@ -366,7 +366,7 @@ class WorkflowLedger:
         for w, agents in self.users.get(node_id, {}).items():
             values = table.get(w)
             if values:
-                total += sum(values.get(a, 0.0) for a in agents)
+                total += agents_value(values, agents)
         return total
 
     def score(self, node_id: int) -> float:
@@ -764,7 +764,7 @@ class PBKVTime(_JudgedPolicy):
                 continue
             offset, total, later = known
             table = later if w in busy else total
-            part = sum(table.get(a, 0.0) for a in agents)
+            part = agents_value(table, agents)
             if part > 0:
                 terms.append(offset + math.log(part))
         return log_sum_exp(terms)

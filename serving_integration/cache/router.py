@@ -40,6 +40,7 @@ from typing import Sequence
 
 from serving_integration.cache.workload import prefix_keys
 from serving_integration.cache.config import CacheAwareConfig, PbkvRoutingConfig
+from serving_integration.cache.trust import agents_value
 
 
 def least_loaded(servers: Sequence) -> int:
@@ -237,7 +238,7 @@ class PBKVRouting(Router):
                 node = by_id.get(node_id)
                 if node is not None:
                     agents = ledger.users[node_id][wf.id]
-                    score += node.num_tokens * sum(values.get(a, 0.0) for a in agents)
+                    score += node.num_tokens * agents_value(values, agents)
         return score
 
     def choose(self, wf, call, servers, now):

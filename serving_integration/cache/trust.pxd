@@ -5,6 +5,9 @@
 # interpreted judges agree to the bit (tests/simulator/test_compiled.py). Interpreted, this file is
 # not read.
 
+cpdef agents_value(values, agents)
+
+
 cdef class ShadowEntry:
     cdef public object size, first, stamp, score
     cdef public bint shared

@@ -160,6 +160,18 @@ def sampled(workflow: str, share: float, seed: int) -> bool:
 SAMPLED_MEMO = 65536  # workflows whose sampling is memoised at once (the hash costs about a microsecond)
 
 
+def agents_value(values: dict, agents) -> float:
+    """The sum of `values` over `agents` (0 for an agent without one): what one workflow, whose
+    predictions' values are `values`, adds to a key or node it read with these agents (the
+    shadows' entries, policies.PBKV and PBKVTime, the router's score). Added one by one in order,
+    as sum() adds on Python 3.11 (a loop: the shadows call it from cpdef methods, which may hold no
+    generator)."""
+    total = 0
+    for agent in agents:
+        total += values.get(agent, 0.0)
+    return total
+
+
 class ShadowEntry:
     """One content key as the shadows know it: its tokens, the live sampled workflows (and their
     agents) that read it, the first sampled workflow that did and whether another one did too,
@@ -174,15 +186,7 @@ class ShadowEntry:
 
     def set_part(self, workflow: str, table: dict) -> None:
         """A reader's part from its v_w `table`, and the score again (the sum of the parts)."""
-        agents = self.readers[workflow]
-        if len(agents) == 1:
-            (agent,) = agents
-            part = table.get(agent, 0.0)
-        else:  # summed in a loop, as sum() would (a cpdef method may hold no generator)
-            part = 0
-            for a in agents:
-                part += table.get(a, 0.0)
-        self.parts[workflow] = part
+        part = self.parts[workflow] = agents_value(table, self.readers[workflow])
         self.score = part if len(self.parts) == 1 else sum(self.parts.values())
 
     def drop_reader(self, workflow: str) -> None:
@@ -211,9 +215,7 @@ class TimeShadowEntry(ShadowEntry):
 
     def set_part(self, workflow: str, table: tuple) -> None:
         offset, values = table
-        part = 0
-        for a in self.readers[workflow]:
-            part += values.get(a, 0.0)
+        part = agents_value(values, self.readers[workflow])
         self.parts[workflow] = offset + math.log(part) if part > 0 else -math.inf
         self.rescore()
 
