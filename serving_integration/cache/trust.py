@@ -163,9 +163,9 @@ SAMPLED_MEMO = 65536  # workflows whose sampling is memoised at once (the hash c
 def agents_value(values: dict, agents) -> float:
     """The sum of `values` over `agents` (0 for an agent without one): what one workflow, whose
     predictions' values are `values`, adds to a key or node it read with these agents (the
-    shadows' entries, policies.PBKV and PBKVTime, the router's score). Added one by one in order,
-    as sum() adds on Python 3.11 (a loop: the shadows call it from cpdef methods, which may hold no
-    generator)."""
+    shadows' entries, PBKV's score in policies.WorkflowLedger, policies.PBKVTime, the router's
+    score). Added one by one in order, as sum() adds on Python 3.11 (a loop: the shadows call it
+    from cpdef methods, which may hold no generator)."""
     total = 0
     for agent in agents:
         total += values.get(agent, 0.0)
