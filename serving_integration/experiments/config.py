@@ -88,11 +88,18 @@ class EvaluateConfig:
     headroom: bool = knob(False, "attribute each row's eviction-bound headroom (rows without prefetch): by reuse "
                                  "distance in time, by what the reading workflow was doing, by how many workflows "
                                  "keep cache (serving_integration/simulator/headroom.py)")
+    headroom_integer: list = knob(None, "with headroom: the policies whose rows also search the integer optimum of "
+                                  "their eviction bound (how loose the LP is; HiGHS's branch and bound, "
+                                  "simulator/headroom.py INTEGER_NODES nodes: up to minutes a row on the real "
+                                  "traces)", each(one_of(evaluated_policies)), unique, factory=list)
     per_workload: dict = knob(None, "values other settings look up by data.name, e.g. "
                               "${per_workload.gpu_tokens.${data.name}} (experiment=robust)", factory=dict)
 
     def __post_init__(self):
         check(self)
+        if self.headroom_integer and not self.headroom:
+            raise ConfigError(f"headroom_integer={list(self.headroom_integer)}: it searches the integer optimum "
+                              "beside the headroom attribution; set headroom=true too")
 
 
 @dataclass(frozen=True)

@@ -349,6 +349,7 @@ def evaluate_seed(replay: Replay, sim: SimConfig, knobs: Settings, seed: int,
         fields = {"noise": p.noise if name in PREDICTIVE else 0.0, "predictor": label,
                   "trust": kwargs.pop("trust", "none")}
         kwargs["headroom"] = knobs.run.headroom
+        kwargs["headroom_integer"] = name in knobs.run.headroom_integer
         if name in PREDICTIVE:
             fields["noise_kind"] = p.noise_kind
         rows.append(setting.run(replay.workflows, name, mode, kwargs, **fields))

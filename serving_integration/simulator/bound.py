@@ -410,6 +410,42 @@ def eviction_solution(events: Iterable[Event], capacity: int, max_lp_intervals: 
     return free, a, b, s, w, keys, x
 
 
+def integer_solution(events: Iterable[Event], capacity: int, node_limit: int,
+                     max_lp_intervals: int = 300_000) -> tuple[float, float] | None:
+    """How far the eviction LP (points 4, 4a) is from its integer optimum, on the same model: the
+    LP with every x_i in {0, 1} (a key kept through its whole interval or not), solved by HiGHS's
+    branch and bound up to `node_limit` nodes (a count, not a time: the same answer on every run).
+    Returns (plan, dual) in prompt tokens, free hits included: `plan` is the best 0/1 solution it
+    found (it satisfies (G) and (C), so the integer optimum is at least it), `dual` its proven
+    upper bound on the integer optimum (at most the LP's optimum: any run's hits are a 0/1 point,
+    so `dual` bounds them too). dual - plan is what the search left open; LP - plan bounds the
+    relaxation's integrality gap. None above `max_lp_intervals`, or when HiGHS found no 0/1 solution."""
+    from scipy.optimize import Bounds as VariableBounds
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    closure: list = []
+    free, a, b, s, w, caps = intervals(events, capacity, closure_out=closure)
+    n = len(a)
+    if n == 0:
+        return float(free), float(free)
+    if n > max_lp_intervals:
+        return None
+    (rows, cols, vals), seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
+    n_seg = len(seg_caps)
+    upper = np.concatenate([np.ones(n), seg_caps])
+    constraints = [LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(n_seg, n + n_seg)).tocsr(), 0, 0)]
+    prefix = _closure_rows(closure, n + n_seg, upper)
+    if prefix is not None:
+        constraints.append(LinearConstraint(prefix, -np.inf, 0))
+    res = milp(np.concatenate([-w, np.zeros(n_seg)]), constraints=constraints, bounds=VariableBounds(0, upper),
+               integrality=np.concatenate([np.ones(n), np.zeros(n_seg)]), options={"node_limit": node_limit})
+    if res.x is None or res.mip_dual_bound is None or not np.isfinite(res.mip_dual_bound):
+        return None
+    # the dual bound carries HiGHS's relative tolerance as the LP's does (_eviction_lp): the same margin
+    return free + float(w @ np.round(res.x[:n])), free - float(res.mip_dual_bound) + 1e-6 * float(w.sum())
+
+
 def _at_least(bound: Bound, lower: Bound) -> Bound:
     """`bound`, raised to `lower` where the solver's tolerance put it below (both are valid bounds)."""
     if bound.hit_tokens >= lower.hit_tokens:

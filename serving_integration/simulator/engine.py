@@ -952,10 +952,11 @@ def bound_metrics(sim: Simulator, reuse: bool = True) -> dict:
 
 
 def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool = True,
-             headroom: bool = False, **policy) -> dict:
+             headroom: bool = False, headroom_integer: bool = False, **policy) -> dict:
     """Replay the workflows under one policy; the summary metrics, with the run's bounds
     (`bound_hit_rate`, `bound_prefetch_hit_rate`, `bound_recompute_rate`: bound.py) unless bound=False,
-    and where the eviction bound's extra hits lie (headroom.py) if `headroom` and the run has no prefetch."""
+    and where the eviction bound's extra hits lie (headroom.py) if `headroom` and the run has no prefetch
+    (with `headroom_integer`, also how far the bound's LP lies from its integer optimum)."""
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()
@@ -966,5 +967,5 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
     # pbkv's trust (one judge per replica): what it measured and followed
     result.update(trust_summary([r for r in (s.policy.trust_report() for s in sim.servers) if r is not None]))
     if headroom and policy.get("prefetch", "none") == "none":
-        result.update(headroom_fields(sim.servers))
+        result.update(headroom_fields(sim.servers, integer=headroom_integer))
     return {**result, **bound_metrics(sim)} if bound else result

@@ -108,10 +108,14 @@ def test_every_registered_policy_runs_on_every_shipped_workload(tmp_path, cache)
 def test_headroom_rows_split_the_bounds_extra_hits(tmp_path, cache):
     """headroom=true: rows without prefetch carry the attribution (simulator/headroom.py), each split
     adding up to the bound's extra hits; prefetch rows do not (their hits are not what they kept)."""
-    summary, _ = evaluate(tmp_path / "headroom", "headroom=true", "policies=[lru,pbkv_perfect]",
-                          "prefetch=[none,conservative]", cache=cache)
+    summary, _ = evaluate(tmp_path / "headroom", "headroom=true", "headroom_integer=[lru]",
+                          "policies=[lru,pbkv_perfect]", "prefetch=[none,conservative]", cache=cache)
     by = {(r["policy"], r["prefetch"]): r for r in summary["rows"]}
     assert "headroom_bound_hit_rate" not in by["pbkv_perfect", "conservative"]
+    # headroom_integer: lru's row alone searches its bound's integer optimum, which lies below the LP bound
+    lru = by["lru", "none"]
+    assert "headroom_integer_bound_hit_rate" not in by["pbkv_perfect", "none"]
+    assert lru["hit_rate"] <= lru["headroom_integer_bound_hit_rate"] <= lru["bound_hit_rate"] + 1e-9
     for key in (("lru", "none"), ("pbkv_perfect", "none")):
         r = by[key]
         delta = r["headroom_bound_hit_rate"] - r["headroom_run_hit_rate"]

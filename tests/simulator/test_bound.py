@@ -14,8 +14,8 @@ import pytest
 
 from serving_integration.cache.predictions import AgentStepGraph, PerfectSource, vocabulary
 from serving_integration.simulator.bound import (MISSED, PREFETCH_LP_COST, _eviction_lp, _prefetch_lp,
-                                                 eviction_solution, intervals, row_bounds, upper_bound,
-                                                 upper_bounds)
+                                                 eviction_solution, integer_solution, intervals, row_bounds,
+                                                 upper_bound, upper_bounds)
 from serving_integration.simulator.engine import SimConfig, simulate
 from tests.simulator.test_simulator import H100, small_workload
 
@@ -168,6 +168,36 @@ def test_prefix_closure_cuts_a_key_kept_without_its_prefix():
     assert closure == [(0, MISSED)]
     assert upper_bound(events, 10).hit_tokens == pytest.approx(3, abs=1e-3)  # without (C): a kept
     assert closed_lp(events, 10) == pytest.approx(0, abs=1e-3)
+
+
+def test_the_integer_search_is_a_bound_between_the_exact_optimum_and_the_lp():
+    """bound.integer_solution: the interval model with 0/1 keeps is still a relaxation of caching
+    (bound.py, points 1-4a), so its proven dual bound is no lower than the exact optimum of prefix-
+    matching reads, and no higher than the LP's; its plan is a 0/1 point of the model (at most the
+    dual), and on instances this small the search closes its own gap."""
+    rng = random.Random(5)
+    closed = 0
+    for _ in range(150):
+        events, capacity, size = random_instance(rng)
+        exact = exact_optimum(events, capacity, size, prefix=True)
+        plan, dual = integer_solution(events, capacity, node_limit=1000)
+        assert exact <= dual + 1e-6 and plan <= dual + 1e-6, (events, capacity)
+        assert dual <= closed_lp(events, capacity) + 1e-3
+        closed += abs(dual - plan) < 1e-3
+    assert closed > 140
+
+
+def test_the_integer_search_closes_what_the_lp_keeps_in_fractions():
+    # a and b (3 tokens each) wait through a gap where only 2 tokens are free beside the other one's
+    # running request: the LP keeps 2/3 of each (4 tokens of hits), no 0/1 plan keeps either
+    events = [(True, 0, ("a",), (3,), None, 0), (True, 1, ("b",), (3,), None, 0),
+              (False, 0, ("a",), (3,), None, 0), (False, 1, ("b",), (3,), None, 0),
+              (True, 2, ("a",), (3,), None, 0), (True, 3, ("b",), (3,), None, 0),
+              (False, 2, ("a",), (3,), None, 0), (False, 3, ("b",), (3,), None, 0)]
+    assert upper_bound(events, 5).hit_tokens == pytest.approx(4, abs=1e-3)
+    plan, dual = integer_solution(events, 5, node_limit=1)
+    assert plan == 0 and dual == pytest.approx(0, abs=1e-3)
+    assert integer_solution(events, 6, node_limit=1) == pytest.approx((6, 6), abs=1e-3)  # room for both
 
 
 def test_prefix_closure_is_a_valid_cut_where_reads_are_not_prefix_chains():

@@ -58,6 +58,23 @@ def test_the_runs_hits_are_a_feasible_point_of_the_lp(hover, policy, host):
                            *(f"headroom_phase_{p}" for p in PHASES)}
 
 
+def test_the_integer_search_lies_between_the_runs_hits_and_its_bound(hover):
+    """headroom_fields(integer=True): the integer optimum's proven bound lies between the run's own
+    GPU hits (a 0/1 point of the model) and the LP bound of the row, with the search's plan below it;
+    the same numbers on a second search (a node count, not a time, stops it)."""
+    sim = Simulator([SimWorkflow(w.id, w.order, w.task, w.calls) for w in hover],
+                    SimConfig(gpu_tokens=60_000, concurrency=8), COST, policy="lru")
+    sim.run()
+    server = sim.servers[0]
+    fields = headroom_fields(sim.servers, integer=True)
+    prompt = server.counters.prompt_tokens
+    lp = upper_bound(sequence_from_trace(server.trace), server.tree.gpu_capacity).hit_tokens / prompt
+    plan, dual = fields["headroom_integer_plan_hit_rate"], fields["headroom_integer_bound_hit_rate"]
+    assert server.counters.gpu_hit_tokens / prompt <= dual + 1e-9 and plan <= dual <= lp + 1e-9
+    assert headroom_fields(sim.servers, integer=True) == fields
+    assert "headroom_integer_plan_hit_rate" not in headroom_fields(sim.servers)
+
+
 def test_phase_shares_follow_the_workflows_timeline():
     timeline = [(0.0, 1.0, 3.0), (5.0, 6.0, 8.0)]  # issued, admitted, finished
     assert _phase_shares(timeline, 2.0, 6.0) == pytest.approx({"running": 0.25, "tool": 0.5, "queued": 0.25})
