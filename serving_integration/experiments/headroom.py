@@ -43,7 +43,8 @@ def headroom_rows(rows) -> list[dict]:
 def headroom_section(rows) -> str:
     """The table and paragraph, or "" when no row carries the attribution."""
     found = sorted(headroom_rows(rows), key=lambda r: sort_key((r["workload"], r.get("gpu_working_set_fraction"),
-                                                                 r["gpu_tokens"], row_label(r))))
+                                                                 r["gpu_tokens"], bool(r.get("partial_eviction")),
+                                                                 row_label(r))))
     if not found:
         return ""
     head = ["workload", "GPU", "policy", "GPU hits", "bound - row (points)", "headroom (points)",
@@ -94,8 +95,16 @@ def integer_part(rows) -> str:
 
 
 def gpu_text(r: dict) -> str:
+    """The GPU size, its share of the working set, and the eviction unit where it is partial."""
     fraction = r.get("gpu_working_set_fraction")
-    return tokens_text(r["gpu_tokens"]) + (f" ({fraction:g} of the working set)" if fraction is not None else "")
+    words = ([f"{fraction:g} of the working set"] if fraction is not None else []) + \
+        (["partial eviction"] if r.get("partial_eviction") else [])
+    return tokens_text(r["gpu_tokens"]) + (f" ({', '.join(words)})" if words else "")
+
+
+def policy_and_unit(r: dict) -> str:
+    """The row's label, with partial eviction named (whole-node, SGLang's, is the default)."""
+    return row_label(r) + (" with partial eviction" if r.get("partial_eviction") else "")
 
 
 def share(part: float, whole: float) -> str:
@@ -106,12 +115,12 @@ def paragraph(rows) -> str:
     """Per policy, over its rows: the headroom's mean, where most of it lies, and the workflows kept."""
     by_policy = defaultdict(list)
     for r in rows:
-        by_policy[row_label(r)].append(r)
+        by_policy[policy_and_unit(r)].append(r)
     sentences = []
     for policy, group in sorted(by_policy.items()):
         total = sum(r["headroom_bound_hit_rate"] - r["headroom_run_hit_rate"] for r in group)
         if total <= 1e-9:
-            sentences.append(f"Over {policy}'s {len(group)} rows the bound has no headroom on reused intervals.")
+            sentences.append(f"Over the {len(group)} rows of {policy}, the bound has no headroom on reused intervals.")
             continue
         distance = {b: sum(r[f"headroom_reuse_{b}"] for r in group) / total for b in DISTANCE_BINS}
         phase = {p: sum(r[f"headroom_phase_{p}"] for r in group) / total for p in PHASES}
@@ -119,7 +128,8 @@ def paragraph(rows) -> str:
         kept_bound = sum(r["kept_workflows_bound"] for r in group) / len(group)
         kept_run = sum(r["kept_workflows_run"] for r in group) / len(group)
         sentences.append(
-            f"Over {policy}'s {len(group)} rows the bound's headroom averages {100 * total / len(group):.1f} points "
+            f"Over the {len(group)} rows of {policy}, the bound's headroom averages "
+            f"{100 * total / len(group):.1f} points "
             f"of prompt tokens; {distance[top_distance]:.0%} of it lies in reuses {DISTANCE_WORDS[top_distance]} "
             f"apart and {phase[top_phase]:.0%} in time the reading workflow spent {PHASE_WORDS[top_phase]}; the "
             f"bound keeps cache for {kept_bound:.1f} workflows at a time, {policy} for {kept_run:.1f}.")

@@ -96,16 +96,18 @@ def gap_figure(settings: dict[tuple, dict[str, dict]], out: Path) -> str:
         return ""
     fig, axes = plt.subplots(len(panels), 1, figsize=(2 + 0.9 * max(len(k) for _, k in panels), 2.9 * len(panels)),
                              squeeze=False, sharey=True)
-    width = 0.8 / len(PLOTTED)
+    # the policies the runs have (experiment=headroom has no pbkv_time_perfect): no empty legend entry
+    plotted = [p for p in PLOTTED if any(judged_row(settings[k], p) is not None for _, keys in panels for k in keys)]
+    width = 0.8 / len(plotted)
     for ax, (partial, keys) in zip(axes[:, 0], panels):
-        for i, policy in enumerate(PLOTTED):
+        for i, policy in enumerate(plotted):
             values = []
             for key in keys:
                 by = settings[key]
                 row = judged_row(by, policy)
                 closed = gap_closed(row, by["lru"]) if row is not None else None
                 values.append(float("nan") if closed is None else 100 * closed)
-            ax.bar([k + (i - (len(PLOTTED) - 1) / 2) * width for k in range(len(keys))], values, width, label=policy)
+            ax.bar([k + (i - (len(plotted) - 1) / 2) * width for k in range(len(keys))], values, width, label=policy)
         first = [next(iter(settings[k].values())) for k in keys]
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"{r['workload']}\n{r.get('gpu_working_set_fraction') or 0:g}x" for r in first], fontsize=7)

@@ -20,3 +20,5 @@ def test_fractions_are_the_share_of_the_lead_above_the_integer_bound():
     assert lines[1].endswith("| 0% |")
     assert "account for 0% to 20% of the LP bound's lead over the row (median 10%)" in text
     assert integer_part([row("lru", 0.10, 0.20)]) == ""
+    partial = {**row("lru", 0.10, 0.20, 0.18, 0.17), "partial_eviction": True}
+    assert "| 74.245k (0.25 of the working set, partial eviction) | lru |" in integer_part([partial])
