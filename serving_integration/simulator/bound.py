@@ -431,11 +431,8 @@ def integer_solution(events: Iterable[Event], capacity: int, node_limit: int,
         return float(free), float(free)
     if n > max_lp_intervals:
         return None
-    (rows, cols, vals), seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
-    n_seg = len(seg_caps)
-    upper = np.concatenate([np.ones(n), seg_caps])
+    (rows, cols, vals), n_seg, upper, prefix = _eviction_rows(a, b, s, caps, closure)
     constraints = [LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(n_seg, n + n_seg)).tocsr(), 0, 0)]
-    prefix = _closure_rows(closure, n + n_seg, upper)
     if prefix is not None:
         constraints.append(LinearConstraint(prefix, -np.inf, 0))
     res = milp(np.concatenate([-w, np.zeros(n_seg)]), constraints=constraints, bounds=VariableBounds(0, upper),
@@ -595,13 +592,20 @@ def _closure_rows(closure, n_cols: int, upper: np.ndarray):
     return coo_matrix((vals, (rows, pairs.T.ravel())), shape=(m, n_cols)).tocsr()
 
 
-def _eviction_lp(a, b, s, w, caps, closure=()):
-    """(value, rows, nonzeros, x) of the eviction LP (points 4, 4a) with capacities `caps`; None if HiGHS fails."""
+def _eviction_rows(a, b, s, caps, closure=()):
+    """The eviction LP's constraints (points 4, 4a) over the columns x, then the chain's z: the chain's
+    COO equality rows, their number, the columns' upper bounds and the (C) rows (None: none)."""
     n = len(a)
     block, seg_caps = _chain(a, b, s, np.arange(n), caps, 0, n)
     n_seg = len(seg_caps)
     upper = np.concatenate([np.ones(n), seg_caps])
-    prefix = _closure_rows(closure, n + n_seg, upper)
+    return block, n_seg, upper, _closure_rows(closure, n + n_seg, upper)
+
+
+def _eviction_lp(a, b, s, w, caps, closure=()):
+    """(value, rows, nonzeros, x) of the eviction LP (points 4, 4a) with capacities `caps`; None if HiGHS fails."""
+    n = len(a)
+    block, n_seg, upper, prefix = _eviction_rows(a, b, s, caps, closure)
     value, nonzeros, solution = _solve(np.concatenate([-w, np.zeros(n_seg)]), [block], n_seg, n + n_seg, upper,
                                        prefix, None if prefix is None else np.zeros(prefix.shape[0]))
     if value is None:

@@ -64,18 +64,15 @@ def headroom_fields(servers, integer: bool = False) -> dict:
     `integer`, also `headroom_integer_plan_hit_rate` and `headroom_integer_bound_hit_rate`: the best
     0/1 plan's GPU hit rate and the integer optimum's proven bound (free hits included, as the row's
     bound_hit_rate), when every server's search found a plan."""
-    parts = [server_headroom(s.trace, s.tree.gpu_capacity) for s in servers]
+    parts = [server_headroom(s.trace, s.tree.gpu_capacity, integer) for s in servers]
     if any(p is None for p in parts):
         return {}
     prompt = sum(s.counters.prompt_tokens for s in servers) or 1
-    fields = {}
-    if integer:
-        found = [integer_solution(sequence_from_trace(s.trace), s.tree.gpu_capacity, INTEGER_NODES) for s in servers]
-        if all(f is not None for f in found):
-            fields = {"headroom_integer_plan_hit_rate": sum(f[0] for f in found) / prompt,
-                      "headroom_integer_bound_hit_rate": sum(f[1] for f in found) / prompt}
-    fields.update(headroom_bound_hit_rate=sum(p["lp_tokens"] for p in parts) / prompt,
-                  headroom_run_hit_rate=sum(p["run_tokens"] for p in parts) / prompt)
+    fields = {"headroom_bound_hit_rate": sum(p["lp_tokens"] for p in parts) / prompt,
+              "headroom_run_hit_rate": sum(p["run_tokens"] for p in parts) / prompt}
+    if integer and all(p["integer"] is not None for p in parts):
+        fields["headroom_integer_plan_hit_rate"] = sum(p["integer"][0] for p in parts) / prompt
+        fields["headroom_integer_bound_hit_rate"] = sum(p["integer"][1] for p in parts) / prompt
     for i, name in enumerate(DISTANCE_BINS):
         fields[f"headroom_reuse_{name}"] = float(sum(p["by_distance"][i] for p in parts)) / prompt
     for phase in PHASES:
@@ -85,8 +82,9 @@ def headroom_fields(servers, integer: bool = False) -> dict:
     return fields
 
 
-def server_headroom(trace, capacity: int) -> dict | None:
-    """One server's attribution (module docstring), or None above the LP's size limit."""
+def server_headroom(trace, capacity: int, integer: bool = False) -> dict | None:
+    """One server's attribution (module docstring), or None above the LP's size limit; with `integer`,
+    "integer" holds bound.integer_solution's (plan, dual) (None where it found no plan)."""
     events = sequence_from_trace(trace)
     _, starts, ends, _, weights, keys, x = eviction_solution(events, capacity)
     if x is None:
@@ -106,7 +104,8 @@ def server_headroom(trace, capacity: int) -> dict | None:
     workflow = [r.wf.id for r in readers]
     return {"lp_tokens": float(weights @ x), "run_tokens": float(weights @ hit), "by_distance": by_distance,
             "by_phase": by_phase, "kept_lp": _kept_workflows(starts, ends, workflow, x >= 0.5, len(events)),
-            "kept_run": _kept_workflows(starts, ends, workflow, hit > 0, len(events))}
+            "kept_run": _kept_workflows(starts, ends, workflow, hit > 0, len(events)),
+            "integer": integer_solution(events, capacity, INTEGER_NODES) if integer else None}
 
 
 def _read_on_gpu(request, key) -> bool:

@@ -5,7 +5,8 @@ from serving_integration.experiments.headroom import integer_part
 
 def row(policy, hit, bound, integer=None, plan=None):
     r = {"workload": "hover", "gpu_tokens": 74_245, "gpu_working_set_fraction": 0.25, "policy": policy,
-         "prefetch": "none", "trust": "none", "predictor": "none", "comparison": "policies", "hit_rate": hit, "bound_hit_rate": bound}
+         "prefetch": "none", "trust": "none", "predictor": "none", "comparison": "policies", "hit_rate": hit,
+         "bound_hit_rate": bound}
     if integer is not None:
         r.update(headroom_integer_bound_hit_rate=integer, headroom_integer_plan_hit_rate=plan)
     return r
