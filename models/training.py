@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from data import cpu_kernels
 from data.atomic import atomic_file, hydra_run_dir, write_json
 from models.base import Predictor
 from models.checkpoint import save_predictor
@@ -183,6 +184,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, final_dir: str | P
     keys = metric_keys(predictor.horizon, predictor.time_quantiles)
     metrics = {key: clean(exact.get(key, results.get(key))) for key in keys}
     metrics.update(time_fields(predictor))
+    metrics["cpu_kernels"] = cpu_kernels.fingerprint()  # they decide the floats too (data/cpu_kernels.py)
     training = {"train_seconds": round(train_seconds, 3), "epochs": trainer.current_epoch if predictor.trainable else 0,
                 "n_parameters": predictor.n_parameters(), "family": predictor.family}
     checkpoint = save_predictor(predictor, run_dir / cfg.checkpoint_name, config, metrics, training)

@@ -10,6 +10,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 REPO = Path(__file__).resolve().parents[1]
+from data import cpu_kernels  # noqa: E402
+
+cpu_kernels.pin()  # before a test loads torch: trainings in this process match train.py's (data/cpu_kernels.py)
 from data.published import TRACES_DIR as TRACES  # noqa: E402  (data/traces, or PBKV_TRACES_DIR)
 
 WHO_AND_WHEN = TRACES / "who_and_when"

@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from data import REPO, store
+from data import REPO, cpu_kernels, store
 from data.atomic import built_once, write_json
 from data.errors import ConfigError
 from data.knobs import build
@@ -96,6 +96,7 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
         recipe["model_config"] = hashlib.sha256(family_config.read_bytes()).hexdigest()[:12]
     if p.train_overrides:
         recipe["overrides"] = list(p.train_overrides)
+    recipe["cpu_kernels"] = cpu_kernels.fingerprint()  # a predictor trained on other kernels is another one
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(p.cache_dir).resolve() / f"{p.train}-{key}"
     if not (run / "predictor.pt").is_file():
@@ -290,6 +291,7 @@ def evaluate(cfg: DictConfig, run_dir: Path, knobs: Settings | None = None) -> d
                    "kvflow_graph": {s: i["kvflow_graph"] for s, i in info.items()},
                    "end_signal": {s: i["end_signal"] for s, i in info.items()}}
     summary["config"] = OmegaConf.to_container(cfg, resolve=True)
+    summary["cpu_kernels"] = cpu_kernels.fingerprint()  # what else decides a trained predictor's floats
     write_json(run_dir / "summary.json", summary)
     return summary
 

@@ -1,0 +1,59 @@
+"""torch's CPU kernels are pinned before the entry points load torch (data/cpu_kernels.py)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import cpu_kernels
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+x86_with_avx2 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or "avx2" not in cpu_flags(),
+                                   reason="the pin is for x86-64 CPUs with AVX2")
+
+
+def capability_after_importing(entry: str, **env: str) -> str:
+    """torch's kernel set in a fresh interpreter that imports the entry point first, as `python
+    ENTRY.py` does, with none of the pinned variables set unless given."""
+    clean = {k: v for k, v in os.environ.items() if k not in cpu_kernels.PINNED}
+    code = f"import {entry}, torch; print(torch.backends.cpu.get_cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**clean, **env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@x86_with_avx2
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+def test_entry_points_run_torch_on_avx2_kernels(entry):
+    # on an AVX512 machine (this one) torch would otherwise pick AVX512, and train another predictor
+    assert capability_after_importing(entry) == "AVX2"
+
+
+@x86_with_avx2
+def test_a_users_own_setting_is_kept():
+    assert capability_after_importing("evaluate", ATEN_CPU_CAPABILITY="default") == "DEFAULT"
+
+
+def test_this_process_is_pinned_and_says_so():
+    # conftest pins before any test imports torch: trainings here are those of train.py
+    fingerprint = cpu_kernels.fingerprint()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert fingerprint["mkl_cbwr"] == os.environ["MKL_CBWR"] and os.environ["MKL_CBWR"]
+        assert fingerprint["onednn_max_cpu_isa"] == os.environ["ONEDNN_MAX_CPU_ISA"]
+        if "avx2" in cpu_flags():
+            assert fingerprint["torch_cpu_capability"] == os.environ["ATEN_CPU_CAPABILITY"].upper()
