@@ -12,7 +12,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from data import store
+from data import cpu_kernels, store
 from data.generators import Hover
 from models import WorkflowPrefix, load_predictor, read_checkpoint
 from models.training import metric_keys, train
@@ -47,7 +47,8 @@ def test_train_with_data_path_and_run_dir(dataset_dir, tmp_path):
     metrics = json.loads((run / "metrics.json").read_text())
     levels = [0.1, 0.5, 0.9]  # models.config.TimeConfig.quantiles
     assert set(metrics) == set(metric_keys(3, levels)) | {"checkpoint", "time_source", "time_fallback",
-                                                          "time_quantiles", "time_offset_s"}
+                                                          "time_quantiles", "time_offset_s", "cpu_kernels"}
+    assert metrics["cpu_kernels"] == cpu_kernels.fingerprint()  # train.py pinned them as this process is pinned
     assert all(isinstance(metrics[k], float) for k in metric_keys(3, levels))
     assert 0.0 <= metrics["test/top1_k1"] <= 1.0 and metrics["test/top3_k1"] >= metrics["test/top1_k1"]
     assert metrics["time_source"] == "tool_time" and metrics["time_fallback"] is False
