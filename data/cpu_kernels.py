@@ -8,7 +8,7 @@ graphsage training (hover, seed 0) gives other metrics when any one of the three
 (69 to 76 of its 98 metrics differ; test top-1 at k=2 0.862 against 0.858-0.859), and the same
 metrics again on every rerun with the same settings. The simulator's own numpy arithmetic was
 checked too: a replay gives the same summary with numpy's AVX512 loops disabled, so only torch is
-pinned. Pinning costs no speed here (that training took 32 s pinned, 42 s unpinned).
+pinned.
 
 The variables are read once, when each library first runs a kernel, so `pin()` runs before torch
 is imported: first thing in train.py, evaluate.py and the tests' conftest (this package's
