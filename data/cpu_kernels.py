@@ -28,10 +28,15 @@ PINNED = {
 }
 
 
+def on_x86_64() -> bool:
+    """Whether this machine is x86-64, the only kind `pin()` pins."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def pin() -> None:
     """Set each of PINNED in the environment where the user has not, on x86-64 (child processes
     inherit it)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not on_x86_64():
         return
     for name, value in PINNED.items():
         os.environ.setdefault(name, value)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from data import cpu_kernels
-
-REPO = Path(__file__).resolve().parents[2]
+from data import REPO, cpu_kernels
 
 
 def cpu_flags() -> set[str]:
@@ -23,7 +20,7 @@ def cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
-x86_with_avx2 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or "avx2" not in cpu_flags(),
+x86_with_avx2 = pytest.mark.skipif(not cpu_kernels.on_x86_64() or "avx2" not in cpu_flags(),
                                    reason="the pin is for x86-64 CPUs with AVX2")
 
 
@@ -52,7 +49,7 @@ def test_a_users_own_setting_is_kept():
 def test_this_process_is_pinned_and_says_so():
     # conftest pins before any test imports torch: trainings here are those of train.py
     fingerprint = cpu_kernels.fingerprint()
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if cpu_kernels.on_x86_64():
         assert fingerprint["mkl_cbwr"] == os.environ["MKL_CBWR"] and os.environ["MKL_CBWR"]
         assert fingerprint["onednn_max_cpu_isa"] == os.environ["ONEDNN_MAX_CPU_ISA"]
         if "avx2" in cpu_flags():
