@@ -1,6 +1,10 @@
-"""torch's CPU kernels pinned to one instruction set, so that a trained predictor (and every
-number that depends on it) is the same on any x86-64 machine with AVX2, not only on the machine
-that made it.
+"""torch's CPU kernels pinned to one instruction set, so that which kernels a trained predictor
+(and every number that depends on it) ran does not depend on whether the machine has AVX512.
+
+The bits are still the CPU model's: MKL picks its code path by vendor too (on AMD, MKL_CBWR=AVX2
+gives CNR:AUTO, not its AVX2 branch), and its sqrt rests on an approximate instruction whose bits
+are the CPU's own; under an emulator, an Intel and an AMD AVX2 model trained different predictors
+(docs/predictors.md, Notes).
 
 torch, MKL and oneDNN each pick their kernels by the CPU they find (AVX512 where the CPU has it,
 AVX2 otherwise), and the kernels sum in different orders: measured on an AVX512 machine, the same
@@ -23,7 +27,7 @@ import platform
 
 PINNED = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorised kernels (reductions, activations, softmax)
-    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: its AVX2 code path on any CPU
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: its AVX2 code path (Intel CPUs)
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels (linear layers, convolutions)
 }
 
