@@ -26,6 +26,7 @@ cdef class TimeShadowEntry(ShadowEntry):
 cpdef double log_sum_exp(list terms)
 cpdef tuple lru_rank(ShadowEntry entry)
 cpdef tuple score_rank(ShadowEntry entry)
+cpdef tuple score_item(ShadowEntry entry, key)
 
 
 cdef class ShadowCache:
@@ -34,7 +35,7 @@ cdef class ShadowCache:
     cdef public dict held, children
     cdef public list heap
     cpdef tuple rank(self, ShadowEntry entry)
-    cpdef push(self, key, ShadowEntry entry, seq)
+    cpdef push(self, key, ShadowEntry entry)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)
 
@@ -42,7 +43,7 @@ cdef class ShadowCache:
 cdef class LruShadowCache(ShadowCache):
     cdef public dict live
     cpdef tuple rank(self, ShadowEntry entry)
-    cpdef push(self, key, ShadowEntry entry, seq)
+    cpdef push(self, key, ShadowEntry entry)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)
 

@@ -248,11 +248,19 @@ def score_rank(entry: ShadowEntry) -> tuple:
     return (1, entry.score, entry.stamp) if entry.readers else (0, 0.0, entry.stamp)
 
 
+def score_item(entry: ShadowEntry, key) -> tuple:
+    """A key's item in the score shadow's heap: `score_rank`'s fields, then the key. Flat, not (rank,
+    key): one tuple made per push, not two, and the heap compares numbers, not tuples of them. A
+    key's stamp is its own (every touch takes the next clock value), so two items tie on the rank
+    only when they are the same key's: the key never decides the order."""
+    return (1, entry.score, entry.stamp, key) if entry.readers else (0, 0.0, entry.stamp, key)
+
+
 class ShadowCache:
     """A metadata-only cache of `capacity` tokens: the keys it holds with the tokens charged for each,
-    and its eviction order as a heap of (rank, sequence, key) items, kept lazily: an item is current
-    while its rank is the key's rank now, and every change of a key's rank pushes a new item (an
-    eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
+    and its eviction order as a heap of (*rank, key) items (`score_item`), kept lazily: an item is
+    current while its rank is the key's rank now, and every change of a key's rank pushes a new item
+    (an eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
 
     def __init__(self, name: str, capacity: float):
         self.name, self.capacity = name, capacity
@@ -265,8 +273,7 @@ class ShadowCache:
         self.children: dict[Hashable, int] = {}  # outcome_unit=node: held key -> its held children
 
     def rank(self, entry: ShadowEntry) -> tuple:
-        """Its keep order, lowest first: PBKV's (`score_rank`); a method, not a stored function, so that
-        the compiled judge calls it directly."""
+        """Its keep order, lowest first: PBKV's (`score_rank`), as the heap's items carry it (`score_item`)."""
         return score_rank(entry)
 
     def room(self) -> float:
@@ -277,8 +284,8 @@ class ShadowCache:
         """Tokens of the longest held prefix of `keys`."""
         return prefix_tokens_in(keys, sizes, self.held)
 
-    def push(self, key, entry: ShadowEntry, seq: int) -> None:
-        heapq.heappush(self.heap, (self.rank(entry), seq, key))
+    def push(self, key, entry: ShadowEntry) -> None:
+        heapq.heappush(self.heap, score_item(entry, key))
 
     def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
         """The next key this shadow's order evicts, off the heap (None: nothing evictable). Locked keys
@@ -286,8 +293,9 @@ class ShadowCache:
         leave it too, pushed again when they become leaves (OutcomeTrust._evict_node)."""
         heap, held, children = self.heap, self.held, self.children
         while heap:
-            item_rank, _, key = heapq.heappop(heap)
-            if key not in held or key in locked or self.rank(entries[key]) != item_rank:
+            item = heapq.heappop(heap)
+            key = item[3]
+            if key not in held or key in locked or score_item(entries[key], key) != item:
                 continue  # gone, locked, or stale (a newer item holds its rank)
             if leaves_only and children.get(key):
                 continue
@@ -297,9 +305,9 @@ class ShadowCache:
     def evict(self, key) -> None:
         self.used -= self.held.pop(key)
 
-    def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
+    def rebuild(self, entries: dict, locked: dict) -> None:
         """The heap from what is held, once stale items outnumber current ones."""
-        self.heap = [(self.rank(entries[key]), seq, key) for key in self.held if key not in locked]
+        self.heap = [score_item(entries[key], key) for key in self.held if key not in locked]
         heapq.heapify(self.heap)
 
 
@@ -316,7 +324,7 @@ class LruShadowCache(ShadowCache):
     def rank(self, entry: ShadowEntry) -> tuple:
         return lru_rank(entry)
 
-    def push(self, key, entry: ShadowEntry, seq: int) -> None:
+    def push(self, key, entry: ShadowEntry) -> None:
         live = self.live
         if entry.readers:
             if live.get(key) != entry.stamp:  # touched: now the newest (an unchanged stamp keeps its place)
@@ -324,13 +332,13 @@ class LruShadowCache(ShadowCache):
                 live[key] = entry.stamp
         else:
             live.pop(key, None)
-            heapq.heappush(self.heap, ((0, entry.stamp), seq, key))
+            heapq.heappush(self.heap, (entry.stamp, key))  # retired: lru_rank's (0, stamp), flat
 
     @cython.locals(entry=ShadowEntry)
     def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
         heap, held, live, children = self.heap, self.held, self.live, self.children
         while heap:  # retired keys first, oldest first
-            (_, stamp), _, key = heapq.heappop(heap)
+            stamp, key = heapq.heappop(heap)
             if key not in held or key in live or key in locked:
                 continue
             entry = entries[key]  # held: known
@@ -346,8 +354,8 @@ class LruShadowCache(ShadowCache):
         ShadowCache.evict(self, key)  # cpdef: Cython compiles no zero-argument super() in it
         self.live.pop(key, None)
 
-    def rebuild(self, entries: dict, locked: dict, seq: int) -> None:
-        self.heap = [((0, entries[key].stamp), seq, key) for key in self.held
+    def rebuild(self, entries: dict, locked: dict) -> None:
+        self.heap = [(entries[key].stamp, key) for key in self.held
                      if key not in self.live and key not in locked]
         heapq.heapify(self.heap)
 
@@ -379,7 +387,7 @@ class OutcomeTrust:
         self.ends: dict[Hashable, None] = {}
         self.decay = 1.0 - 1.0 / options.outcome_window
         self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
-        self.clock = 0  # touches, and heap items' sequence
+        self.clock = 0  # touches: each key's stamp
         self.score_shadow = ShadowCache("pbkv", 0.0)
         self.lru_shadow = LruShadowCache("pbkv_lae", 0.0)
         self.shadows = (self.score_shadow, self.lru_shadow)
@@ -483,7 +491,7 @@ class OutcomeTrust:
         (those about to be held again are pushed then, with their new rank); its reservations end."""
         for shadow, tokens in zip(self.shadows, reserved):
             shadow.reserved -= tokens
-        locked, entries, seq = self.locked, self.entries, self.clock
+        locked, entries = self.locked, self.entries
         again = set(held_now)
         for key in keys:
             n = locked[key] - 1
@@ -495,7 +503,7 @@ class OutcomeTrust:
             if entry is not None and key not in again:
                 for shadow in self.shadows:
                     if key in shadow.held:
-                        shadow.push(key, entry, seq)
+                        shadow.push(key, entry)
 
     @cython.locals(entry=ShadowEntry, score=ShadowCache, lru=LruShadowCache)
     def _hold(self, workflow: str, agent: str | None, keys: Sequence, sizes: Sequence) -> None:
@@ -538,8 +546,8 @@ class OutcomeTrust:
             if key not in locked:
                 # ShadowCache.push, inlined: calling it made a pbkv trust=outcome replay about 6% slower
                 # (hover, 1,000 workflows; 5 alternated pairs, ratio 0.98-1.09, median 1.06; 2026-12-06)
-                heapq.heappush(score_heap, (score_rank(entry), clock, key))
-                lru.push(key, entry, clock)
+                heapq.heappush(score_heap, score_item(entry, key))
+                lru.push(key, entry)
         self.clock = clock
 
     def _shape(self, keys: Sequence) -> None:
@@ -577,7 +585,7 @@ class OutcomeTrust:
         tables, values = self.tables, self.values
         changed = [(w, values(w)) for w in self._revised if w in tables]
         self._revised = {}
-        entries, locked, seq = self.entries, self.locked, self.clock
+        entries, locked = self.entries, self.locked
         score_shadow, lru_shadow = self.score_shadow, self.lru_shadow
         for w, now in changed:
             if now is None:  # retired: its keys lose a reader, and may become retired keys
@@ -589,9 +597,9 @@ class OutcomeTrust:
                     entry.drop_reader(w)
                     if key not in locked:
                         if key in score_shadow.held:
-                            score_shadow.push(key, entry, seq)
+                            score_shadow.push(key, entry)
                         if not entry.readers and key in lru_shadow.held:
-                            lru_shadow.push(key, entry, seq)
+                            lru_shadow.push(key, entry)
                 continue
             tables[w] = now
             for key in self.keys_of[w]:  # a new prediction: only the score's order changes
@@ -600,7 +608,7 @@ class OutcomeTrust:
                     continue  # read without an agent (a call before any agent is known)
                 entry.set_part(w, now)
                 if key not in locked and key in score_shadow.held:
-                    score_shadow.push(key, entry, seq)
+                    score_shadow.push(key, entry)
 
     @cython.locals(shadow=ShadowCache, other=ShadowCache, score=ShadowCache, lru=ShadowCache)
     def _make_room(self) -> None:
@@ -627,7 +635,7 @@ class OutcomeTrust:
                 if key not in other.held:
                     self._forget(key)
             if len(shadow.heap) > 2 * len(shadow.held) + 1024:
-                shadow.rebuild(entries, locked, self.clock)
+                shadow.rebuild(entries, locked)
 
     def _evict_node(self, shadow: ShadowCache, other: ShadowCache, leaf) -> None:
         """outcome_unit=node: evict `leaf` with the ancestors that form one node with it in the
@@ -650,7 +658,7 @@ class OutcomeTrust:
             if key not in other.held:
                 self._forget(key)
         if up is not None and up in held and up not in locked and not children.get(up):
-            shadow.push(up, self.entries[up], self.clock)
+            shadow.push(up, self.entries[up])
 
     def _forget(self, key) -> None:
         entry = self.entries.pop(key)
@@ -734,7 +742,7 @@ class TimeOutcomeTrust(OutcomeTrust):
             entry.rescore()
             marked.append(key)
             if key not in locked:
-                self.score_shadow.push(key, entry, self.clock)
+                self.score_shadow.push(key, entry)
         self.queued_keys[workflow] = marked
 
     def _unqueue(self, workflow: str) -> None:
@@ -744,7 +752,7 @@ class TimeOutcomeTrust(OutcomeTrust):
             if entry is not None and entry.queued.pop(workflow, None) is not None:
                 entry.rescore()
                 if key in held and key not in locked:
-                    self.score_shadow.push(key, entry, self.clock)
+                    self.score_shadow.push(key, entry)
 
     def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
         if keys and self.is_sampled(workflow):
