@@ -24,8 +24,6 @@ cdef class TimeShadowEntry(ShadowEntry):
 
 
 cpdef double log_sum_exp(list terms)
-cpdef tuple lru_rank(ShadowEntry entry)
-cpdef tuple score_rank(ShadowEntry entry)
 cpdef tuple score_item(ShadowEntry entry, key)
 
 
@@ -34,7 +32,6 @@ cdef class ShadowCache:
     cdef public double capacity, used, reserved, hit_tokens
     cdef public dict held, children
     cdef public list heap
-    cpdef tuple rank(self, ShadowEntry entry)
     cpdef push(self, key, ShadowEntry entry)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)
@@ -42,7 +39,6 @@ cdef class ShadowCache:
 
 cdef class LruShadowCache(ShadowCache):
     cdef public dict live
-    cpdef tuple rank(self, ShadowEntry entry)
     cpdef push(self, key, ShadowEntry entry)
     cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
     cpdef evict(self, key)

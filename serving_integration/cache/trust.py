@@ -238,27 +238,18 @@ def log_sum_exp(terms: list[float]) -> float:
     return top + math.log(total)
 
 
-def lru_rank(entry: ShadowEntry) -> tuple:
-    """Lifecycle-aware LRU's order (policies.LifecycleLRU): retired keys first, then the oldest."""
-    return (1 if entry.readers else 0, entry.stamp)
-
-
-def score_rank(entry: ShadowEntry) -> tuple:
-    """PBKV's order (policies.PBKV): retired keys first, then ascending score, the oldest first among equals."""
-    return (1, entry.score, entry.stamp) if entry.readers else (0, 0.0, entry.stamp)
-
-
 def score_item(entry: ShadowEntry, key) -> tuple:
-    """A key's item in the score shadow's heap: `score_rank`'s fields, then the key. Flat, not (rank,
-    key): one tuple made per push, not two, and the heap compares numbers, not tuples of them. A
-    key's stamp is its own (every touch takes the next clock value), so two items tie on the rank
-    only when they are the same key's: the key never decides the order."""
+    """A key's item in the score shadow's heap, lowest evicted first: PBKV's order (policies.PBKV),
+    retired keys first, then ascending score, the oldest first among equals; then the key. Flat, not
+    (rank, key): one tuple made per push, not two, and the heap compares numbers, not tuples of
+    them. A key's stamp is its own (every touch takes the next clock value), so two items tie on the
+    rank only when they are the same key's: the key never decides the order."""
     return (1, entry.score, entry.stamp, key) if entry.readers else (0, 0.0, entry.stamp, key)
 
 
 class ShadowCache:
     """A metadata-only cache of `capacity` tokens: the keys it holds with the tokens charged for each,
-    and its eviction order as a heap of (*rank, key) items (`score_item`), kept lazily: an item is
+    and its eviction order as a heap of (rank..., key) items (`score_item`), kept lazily: an item is
     current while its rank is the key's rank now, and every change of a key's rank pushes a new item
     (an eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
 
@@ -271,10 +262,6 @@ class ShadowCache:
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
         self.children: dict[Hashable, int] = {}  # outcome_unit=node: held key -> its held children
-
-    def rank(self, entry: ShadowEntry) -> tuple:
-        """Its keep order, lowest first: PBKV's (`score_rank`), as the heap's items carry it (`score_item`)."""
-        return score_rank(entry)
 
     def room(self) -> float:
         """The tokens it may hold now: its capacity less its running calls' reservations."""
@@ -315,14 +302,12 @@ class LruShadowCache(ShadowCache):
     """The lifecycle-aware LRU shadow: the same cache, its order kept without a heap for live keys.
     Touches come in stamp order, so its live keys (those with a live reader) are an ordered dict,
     oldest first, and a touch moves a key to its end; only retired keys, which leave that order
-    when their last reader retires, go through the heap (by stamp). The order is `lru_rank`'s."""
+    when their last reader retires, go through the heap (by stamp). The order is lifecycle-aware
+    LRU's (policies.LifecycleLRU): retired keys first, then the oldest."""
 
     def __init__(self, name: str, capacity: float):
         super().__init__(name, capacity)
         self.live: dict[Hashable, int] = {}  # live key -> its stamp, oldest first
-
-    def rank(self, entry: ShadowEntry) -> tuple:
-        return lru_rank(entry)
 
     def push(self, key, entry: ShadowEntry) -> None:
         live = self.live
@@ -332,7 +317,7 @@ class LruShadowCache(ShadowCache):
                 live[key] = entry.stamp
         else:
             live.pop(key, None)
-            heapq.heappush(self.heap, (entry.stamp, key))  # retired: lru_rank's (0, stamp), flat
+            heapq.heappush(self.heap, (entry.stamp, key))  # retired: oldest first
 
     @cython.locals(entry=ShadowEntry)
     def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
