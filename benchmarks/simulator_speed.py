@@ -12,11 +12,13 @@ and prints wall time, simulated calls per second and the hit rate, then the offl
 the run's own request sequence (its LP size and solve time, apart from the replay's). The predictive
 policies run on the perfect predictor; with `--checkpoint` (a train.py checkpoint trained on the
 same workload) pbkv also runs on it, its predictions computed once per scheduler step (evaluate.py's
-`predictor.tabulate=false`) and tabled before the replay (the default). A replay's wall time
-includes computing its table. With `--scaling`, a table of wall time, calls per second and peak
-resident memory of lru, pbkv (perfect predictions, its default trust judge) and pbkv [always] (the
-paper's policy: no judge) at each number of workflows, each replay in a fresh process (its peak is
-its own, loading the workload included). Then it times evict_gpu on trees of growing size (the heap
+`predictor.tabulate=false`), tabled before the replay, and tabled with the online backoff around
+them (evaluate.py's default for a learned predictor: it mixes in the transitions of the replay's own
+calls, once per scheduler step). A replay's wall time includes computing its table. With
+`--scaling`, a table of wall time, calls per second and peak resident memory of lru, pbkv (perfect
+predictions, its default trust judge) and pbkv [always] (the paper's policy: no judge) at each
+number of workflows, each replay in a fresh process (its peak is its own, loading the workload
+included). Then it times evict_gpu on trees of growing size (the heap
 built first), to show how the per-eviction cost grows with n; then runs one insert / match / lock /
 unlock / evict stream through our tree and through SGLang 0.5.23's own `RadixCache` (CPU,
 `create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in a fresh process and
@@ -37,11 +39,11 @@ import time
 from data.generators import WORKLOADS
 from serving_integration.cache.config import TRUST_MODES
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, OnlineBackoff, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree
 from serving_integration.cache.workload import workflows_from_rows
 from serving_integration.cache.workload import SimWorkflow
-from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics
+from serving_integration.simulator.engine import SimConfig, Simulator, bound_metrics, fewer_collections
 
 JUDGED = ("pbkv", "pbkv_time")  # the policies with trust modes, each replayed under every mode
 REPEAT_BUDGET_S = 10.0  # a policy's replays stop repeating once they took this long
@@ -77,13 +79,16 @@ def generated(workload: str, n: int) -> list[SimWorkflow]:
 
 
 def checkpoint_runs(checkpoint: str, names: list[str]) -> dict:
-    """pbkv on a trained predictor: predicted once per scheduler step, and tabled before the replay."""
+    """pbkv on a trained predictor: predicted once per scheduler step, tabled before the replay, and
+    tabled with the online backoff around it, as evaluate.py runs a learned predictor by default
+    (predictor.online_backoff: it learns from the replay's own calls, so each replay gets a fresh one)."""
     from models import load_predictor
 
     predictor = load_predictor(checkpoint, agents=names[1:], max_unknown=0.5)
-    family = predictor.family
+    family, tabled = predictor.family, ModelSource(predictor, tabulate=True)
     return {f"pbkv/{family} per step": {"predictions": ModelSource(predictor)},
-            f"pbkv/{family} tabled": {"predictions": ModelSource(predictor, tabulate=True)}}
+            f"pbkv/{family} tabled": {"predictions": tabled},
+            f"pbkv/{family} tabled, online backoff": {"fresh_predictions": lambda: OnlineBackoff(tabled)}}
 
 
 def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, replicas: int = 1,
@@ -105,11 +110,11 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
     config = SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency, replicas=replicas, routing=routing)
     print(f"{workload}: {n} workflows, {calls} calls, gpu_tokens={gpu_tokens}, concurrency={concurrency}, "
           f"replicas={replicas}, routing={routing}; predictions perfect unless the label names a predictor")
-    print(f"{'policy':>24} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
+    print(f"{'policy':>38} {'wall s':>8} {'calls/s':>9} {'hit rate':>9} {'bound':>7} {'bound s':>8} "
           f"{'LP intervals':>12} {'LP rows':>8} {'nonzeros':>9} {'trust us/call':>13}")
     measured = []
     for label, kwargs in runs.items():
-        if routing == "pbkv" and "predictions" not in kwargs:
+        if routing == "pbkv" and "predictions" not in kwargs and "fresh_predictions" not in kwargs:
             kwargs = {**kwargs, "predictions": PerfectSource(names, 3)}
         policy = label.split("+")[0].split(" ")[0].split("/")[0]
         # the best of `repeats` replays (one slow replay of a shared machine does not set a policy's
@@ -119,10 +124,13 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             if spent >= REPEAT_BUDGET_S:
                 break
             fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
+            made = {"predictions": kwargs["fresh_predictions"]()} if "fresh_predictions" in kwargs else {}
             started = time.perf_counter()
-            sim = Simulator(fresh, config, H100, policy=policy, **kwargs)
-            judged = time_trust(sim)
-            counters = sim.run()
+            with fewer_collections():  # as simulate() builds and runs a replay
+                sim = Simulator(fresh, config, H100, policy=policy,
+                                **{k: v for k, v in kwargs.items() if k != "fresh_predictions"}, **made)
+                judged = time_trust(sim)
+                counters = sim.run()
             wall = time.perf_counter() - started
             spent += wall
             if best is None or wall < best[0]:
@@ -131,7 +139,7 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
         started = time.perf_counter()
         bound = bound_metrics(sim, reuse=False)  # the upper bound on the run's own sequence, solved (bound.py)
         bound_wall = time.perf_counter() - started
-        print(f"{label:>24} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
+        print(f"{label:>38} {wall:8.2f} {calls / wall:9.0f} {counters.gpu_hit_tokens / counters.prompt_tokens:9.1%} "
               f"{bound['bound_hit_rate']:7.1%} {bound_wall:8.2f} {bound['bound_intervals']:12d} "
               f"{bound['bound_rows']:8d} {bound['bound_nonzeros']:9d} {trust_s / calls * 1e6:13.1f}")
         measured.append({"policy": label, "wall_s": wall, "calls_per_s": calls / wall,
@@ -164,8 +172,9 @@ def one_replay(path: str, label: str, gpu_tokens: int, concurrency: int) -> tupl
     if trust:
         kwargs["policy_options"] = {"trust": trust}
     started = time.perf_counter()
-    counters = Simulator(workflows, SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency), H100,
-                         policy=policy, **kwargs).run()
+    with fewer_collections():  # as simulate() builds and runs a replay
+        counters = Simulator(workflows, SimConfig(gpu_tokens=gpu_tokens, concurrency=concurrency), H100,
+                             policy=policy, **kwargs).run()
     wall = time.perf_counter() - started
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     return sum(len(w.calls) for w in workflows), wall, counters.gpu_hit_tokens / counters.prompt_tokens, peak_mib
@@ -396,7 +405,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--routing", default="none")
-    parser.add_argument("--checkpoint", help="a train.py checkpoint: pbkv on it too (per step and tabled)")
+    parser.add_argument("--checkpoint", help="a train.py checkpoint: pbkv on it too (per step, tabled, "
+                                             "tabled with the online backoff)")
     parser.add_argument("--scaling", help="comma-separated numbers of workflows for the scaling table, e.g. 1000,10000")
     parser.add_argument("--repeats", type=int, default=3, help="replays per policy, the best wall time counted "
                         f"(fewer once {REPEAT_BUDGET_S:.0f} s are spent)")

@@ -77,21 +77,39 @@ log = logging.getLogger(__name__)
 # A replay allocates millions of small objects and frees nearly all of them by reference counting
 # (a 10,000-workflow pbkv replay leaves a few hundred objects in cycles), yet CPython's cyclic
 # collector, run every 700 net allocations, scans them, and now and then every object of the
-# process (about a second each at 100,000 workflows). A replay runs with the first generation's
-# threshold raised to this (collections still run, about 140 times fewer), the same objects kept
-# and freed, so the same results (docs/simulator.md: what it saves).
+# process (about a second each at 100,000 workflows, where the loaded workload alone is millions of
+# objects). A replay runs with the first generation's threshold raised to this (collections still
+# run, about 140 times fewer), and with every object that existed before it frozen (gc.freeze: the
+# collector leaves them out until the replay ends, so a full collection scans only what the replay
+# made). The same objects are kept and freed, so the results are the same (docs/simulator.md: what
+# each saved).
 REPLAY_GC_THRESHOLD = 100_000
+_collecting_less = 0  # fewer_collections blocks entered and not left: only the outermost acts
 
 
 @contextmanager
 def fewer_collections():
-    """The cyclic collector's first-generation threshold raised to REPLAY_GC_THRESHOLD while the
-    block runs (never lowered), then restored."""
+    """While the block runs: the cyclic collector's first-generation threshold raised to
+    REPLAY_GC_THRESHOLD (never lowered) and the objects that existed before frozen; both undone
+    after. Blocks nest (simulate() holds one around the construction, the replay and its bounds;
+    Simulator.run another): only the outermost changes anything."""
+    global _collecting_less
+    if _collecting_less:
+        _collecting_less += 1
+        try:
+            yield
+        finally:
+            _collecting_less -= 1
+        return
     before = gc.get_threshold()
     gc.set_threshold(max(REPLAY_GC_THRESHOLD, before[0]), *before[1:])
+    gc.freeze()
+    _collecting_less = 1
     try:
         yield
     finally:
+        _collecting_less = 0
+        gc.unfreeze()
         gc.set_threshold(*before)
 
 
@@ -957,6 +975,12 @@ def simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, b
     (`bound_hit_rate`, `bound_prefetch_hit_rate`, `bound_recompute_rate`: bound.py) unless bound=False,
     and where the eviction bound's extra hits lie (headroom.py) if `headroom` and the run has no prefetch
     (with `headroom_integer`, also how far the bound's LP lies from its integer optimum)."""
+    with fewer_collections():  # the replay's tables, the replay and its bounds
+        return _simulate(workflows, config, cost, bound, headroom, headroom_integer, policy)
+
+
+def _simulate(workflows: list[SimWorkflow], config: SimConfig, cost: CostModel, bound: bool, headroom: bool,
+              headroom_integer: bool, policy: dict) -> dict:
     fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]  # runs mutate progress
     sim = Simulator(fresh, config, cost, **policy)
     counters = sim.run()

@@ -3,6 +3,7 @@ and determinism of whole replays."""
 
 import math
 
+import numpy as np
 import torch
 
 import pytest
@@ -182,17 +183,26 @@ def test_a_replay_collects_cycles_less_often_and_gives_the_same_summary(monkeypa
     names = vocabulary(c.agent for w in workflows for c in w.calls)
     config = SimConfig(gpu_tokens=60_000, concurrency=8)
     before = gc.get_threshold()
-    seen = []
+    assert gc.get_freeze_count() == 0
+    seen, frozen = [], []
     run = engine.Simulator._replay
-    monkeypatch.setattr(engine.Simulator, "_replay", lambda self: (seen.append(gc.get_threshold()), run(self))[1])
+    monkeypatch.setattr(engine.Simulator, "_replay",
+                        lambda self: (seen.append(gc.get_threshold()), frozen.append(gc.get_freeze_count()), run(self))[2])
     raised = simulate(workflows, config, H100, policy="pbkv", predictions=PerfectSource(names, 3))
     assert seen == [(engine.REPLAY_GC_THRESHOLD, *before[1:])] and gc.get_threshold() == before
+    # what existed before the replay (this test's modules, pytest's) is left out of its collections,
+    # and handed back to the collector after it
+    assert frozen[0] > 1000 and gc.get_freeze_count() == 0
     monkeypatch.setattr(engine, "REPLAY_GC_THRESHOLD", 0)  # the default collector's
     assert simulate(workflows, config, H100, policy="pbkv", predictions=PerfectSource(names, 3)) == raised
     assert seen[-1] == before
+    with engine.fewer_collections():  # nested (simulate's own block inside): only the outer one undoes
+        simulate(workflows, config, H100, policy="lru")
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError), engine.fewer_collections():
         raise RuntimeError("a failing replay")
-    assert gc.get_threshold() == before  # restored whatever happens
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0  # restored whatever happens
 
 
 def test_a_server_is_driven_from_outside_and_never_calls_back():
@@ -491,6 +501,36 @@ def test_online_backoff_learns_served_transitions_and_new_agents():
     online = OnlineBackoff(AgentStepGraph.from_traces([["planner", "coder"]], 3))
     simulate(workflows, SimConfig(gpu_tokens=300_000, concurrency=4), H100, policy="pbkv", predictions=online)
     assert online.observed > 0 and set(names[1:]) <= set(online.agent_names)
+
+
+def test_online_backoff_scores_an_agent_unknown_at_prediction_as_given_no_probability():
+    """The experts' rows of a prediction end with END's column; an agent first seen after it (its
+    column is the next one) was given nothing by either, so the weights only take the fixed share."""
+    from types import SimpleNamespace
+
+    from serving_integration.cache.predictions import OnlineBackoff
+
+    class HalfEnd:  # "planner" or END next, half each
+        agent_names, horizon = ["<unk>", "coder", "planner"], 1
+
+        def predict(self, workflows):
+            probs = torch.zeros(len(workflows), 1, 4)
+            probs[:, :, 2] = probs[:, :, 3] = 0.5
+            return probs
+
+    source = OnlineBackoff(HalfEnd(), beta=2.0)
+    for i in range(5):  # served: coder -> planner, so the backoff expert gives END less than the model
+        w = SimpleNamespace(id=f"w{i}", agents=["coder"])
+        source.predict([w])
+        w.agents.append("planner")
+        source.predict([w])
+    w = SimpleNamespace(id="x", agents=["coder"])
+    source.predict([w])
+    before = source.weights
+    w.agents.append("auditor")  # neither expert knew it when they predicted
+    source.predict([w])
+    assert source.agent_names[-1] == "auditor"
+    assert np.allclose(source.weights, (1 - source.share) * before + source.share / 2, rtol=0, atol=1e-12)
 
 
 class _PerStep(PerfectSource):
