@@ -18,11 +18,11 @@ calls, once per scheduler step). A replay's wall time includes computing its tab
 `--scaling`, a table of wall time, calls per second and peak resident memory of lru, pbkv (perfect
 predictions, its default trust judge) and pbkv [always] (the paper's policy: no judge) at each
 number of workflows, each replay in a fresh process (its peak is its own, loading the workload
-included). Then it times evict_gpu on trees of growing size (the heap
-built first), to show how the per-eviction cost grows with n; then runs one insert / match / lock /
-unlock / evict stream through our tree and through SGLang 0.5.23's own `RadixCache` (CPU,
-`create_simulated`, as tests/simulator/test_radix_vs_sglang.py builds it) in a fresh process and
-prints operations per second of each and ours / theirs.
+included). Then it times evict_gpu on trees of growing size (the heap built first), to show how the
+per-eviction cost grows with n; then runs one insert / match / lock / unlock / evict stream through
+our tree and through SGLang 0.5.23's own `RadixCache` (CPU, `create_simulated`, as
+tests/simulator/test_radix_vs_sglang.py builds it) in a fresh process and prints operations per
+second of each and ours / theirs.
 """
 
 from __future__ import annotations
@@ -124,11 +124,12 @@ def policy_speed(workload: str, n: int, gpu_tokens: int, concurrency: int, repli
             if spent >= REPEAT_BUDGET_S:
                 break
             fresh = [SimWorkflow(w.id, w.order, w.task, w.calls) for w in workflows]
-            made = {"predictions": kwargs["fresh_predictions"]()} if "fresh_predictions" in kwargs else {}
+            replay_kwargs = dict(kwargs)
+            if "fresh_predictions" in replay_kwargs:  # a source that learns from its replay: a new one each
+                replay_kwargs["predictions"] = replay_kwargs.pop("fresh_predictions")()
             started = time.perf_counter()
             with fewer_collections():  # as simulate() builds and runs a replay
-                sim = Simulator(fresh, config, H100, policy=policy,
-                                **{k: v for k, v in kwargs.items() if k != "fresh_predictions"}, **made)
+                sim = Simulator(fresh, config, H100, policy=policy, **replay_kwargs)
                 judged = time_trust(sim)
                 counters = sim.run()
             wall = time.perf_counter() - started
