@@ -73,6 +73,23 @@ class Corpus:
     train_gaps: list[list[float]] = field(default_factory=list)
 
 
+class Examples(TensorDataset):
+    """A split's examples, one row of each tensor per example. A DataLoader reads a batch as one
+    gather per tensor (`__getitems__`, with `as_batch` as its collate_fn), where a TensorDataset is
+    read one example at a time and the rows stacked again: the same tensors, without a Python call
+    per example (graphsage's fit on 1,000 hover workflows: 12.1 s against 13.6, the same weights)."""
+
+    def __getitems__(self, indices: list[int]) -> list[Tensor]:
+        rows = torch.tensor(indices, dtype=torch.long)
+        return [tensor[rows] for tensor in self.tensors]
+
+
+def as_batch(batch: list[Tensor]) -> list[Tensor]:
+    """The DataLoader's collate_fn for `Examples`: its gathered rows are the batch already, a list
+    of tensors as default_collate makes of a batch of tuples."""
+    return batch
+
+
 def workflows_of(calls) -> list[Workflow]:
     """Group a split's rows (already grouped by workflow, in step order) into workflows."""
     names = ["workflow_id", "agent", "task", "hidden", "tool_time", "start_time", "end_time"]
@@ -143,7 +160,7 @@ class TraceDataModule(pl.LightningDataModule):
         self.hidden_dim = config.hidden_dim
         self.time = time if isinstance(time, TimeConfig) else build(time or {}, TimeConfig, "time")
         self.corpus: Corpus | None = None
-        self.splits: dict[str, TensorDataset] = {}
+        self.splits: dict[str, Examples] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.corpus is not None:  # idempotent: train.py builds the corpus before the Trainer runs
@@ -184,7 +201,7 @@ class TraceDataModule(pl.LightningDataModule):
         return dict(zip(tasks, self.text_encoder.encode(tasks)))
 
     def examples(self, workflows: list[Workflow], index: dict[str, int], path_index: dict[str, int],
-                 text: TextSpec, task_vectors: dict[str, Tensor], source: str = "none") -> TensorDataset:
+                 text: TextSpec, task_vectors: dict[str, Tensor], source: str = "none") -> Examples:
         """Paths name agents by path_index (unseen ones past the vocabulary), labels by index
         (unseen ones are <unk>), times from the gaps of `source`."""
         end, width, horizon = len(index), self.max_path, self.horizon
@@ -203,7 +220,7 @@ class TraceDataModule(pl.LightningDataModule):
         if text.projection_seed is not None:  # the predictor's fixed projection (models.text), applied once
             texts = TextFeatures(text).project(texts)
         times = torch.from_numpy(np.concatenate(times)).float() if times else torch.zeros(0, horizon)
-        return TensorDataset(torch.tensor(paths, dtype=torch.long).view(-1, width),
+        return Examples(torch.tensor(paths, dtype=torch.long).view(-1, width),
                              torch.tensor(n_calls, dtype=torch.long), texts,
                              torch.tensor(labels, dtype=torch.long).view(-1, horizon), times)
 
@@ -217,7 +234,8 @@ class TraceDataModule(pl.LightningDataModule):
 
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle, generator=generator)
+        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle, generator=generator,
+                          collate_fn=as_batch)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", shuffle=True)

@@ -301,6 +301,27 @@ def test_examples_label_the_next_k_calls_then_end_then_mask(datamodule):
     assert text.shape == (len(labels), 64)
 
 
+def test_a_batch_is_gathered_at_once_and_is_what_one_example_at_a_time_gives(datamodule):
+    """The loaders read a batch with one gather per tensor (Examples.__getitems__): the same
+    shuffled batches, the same tensors, as a TensorDataset read one example at a time and stacked
+    by default_collate, from the same seeded generator, epoch after epoch (so training is unchanged)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    split = datamodule.splits["train"]
+    assert len(split) > 2 * datamodule.batch_size  # full batches and a shorter last one
+    ours = datamodule.train_dataloader()
+    theirs = DataLoader(TensorDataset(*split.tensors), batch_size=datamodule.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(datamodule.seed))
+    for _ in range(2):  # the generator moves on between epochs in both
+        for mine, reference in zip(ours, theirs, strict=True):
+            assert isinstance(mine, list) and len(mine) == len(reference) == len(split.tensors)
+            for a, b in zip(mine, reference):  # bit for bit, NaN where a time is masked
+                assert a.is_contiguous()
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    first = next(iter(datamodule.train_dataloader()))[0]
+    assert not torch.equal(first, split.tensors[0][:len(first)])  # shuffled, not the split's first rows
+
+
 def test_graph_has_agents_and_end_as_nodes(datamodule):
     graph = datamodule.corpus.graph
     end = len(datamodule.corpus.agent_names)
