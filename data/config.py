@@ -66,6 +66,12 @@ def too_few(n_workflows: int, split: SplitConfig, key: str) -> None:
 
 # ------------------------------------------------------------------ workloads (data/generators.py)
 
+# Where what one run builds is kept for the next: datasets (data.cache_dir), trained predictors
+# (evaluate.py's predictor.cache_dir) and, in its TEXT_ENCODINGS folder, the MiniLM embeddings of
+# their data's texts (models.text.keep_encodings_in; train.py's encodings_dir).
+DATA_CACHE = "${oc.env:PBKV_DATA_CACHE,.cache/pbkv/data}"
+PREDICTOR_CACHE = "${oc.env:PBKV_PREDICTOR_CACHE,.cache/pbkv/predictors}"
+TEXT_ENCODINGS = "text_encodings"
 MEMORIES = ("per_agent", "transcript")  # what a generated call's prompt resends (data/generators.py)
 
 
@@ -226,7 +232,7 @@ class DataConfig:
     path: Optional[str] = knob(None, "a dataset directory; replaces the source", _existing_dir)
     source: Any = knob(None, "the traces' recipe: a generated workload or an imported trace source")
     split: SplitConfig = knob(None, "train / val / test assignment", factory=SplitConfig)
-    cache_dir: str = knob("${oc.env:PBKV_DATA_CACHE,.cache/pbkv/data}", "where built datasets are cached", nonempty)
+    cache_dir: str = knob(DATA_CACHE, "where built datasets are cached", nonempty)
 
     def __post_init__(self):
         check(self)

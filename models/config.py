@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import re
 from typing import Any, List, Optional
 
-from data.config import data_config
+from data.config import PREDICTOR_CACHE, TEXT_ENCODINGS, data_config
 from data.knobs import (above, at_least, below, broken_rule, build, check, each, knob, nonempty, one_of, probability,
                         register)
 
@@ -324,6 +324,9 @@ class TrainConfig(Knobs):
                                            "gives the same numbers under every launcher (null: torch's default)",
                                         at_least(1))
     optimized_metric: Optional[str] = knob(None, "the metric returned to a sweeper (hparams_search sets it)")
+    encodings_dir: Optional[str] = knob(f"{PREDICTOR_CACHE}/{TEXT_ENCODINGS}",
+                                        "where MiniLM embeddings of the data's texts are kept for later runs, "
+                                        "the very floats encoding them again gives (null: this run only)")
     datamodule: DataModuleConfig = knob(None, "examples: one per agent call", factory=DataModuleConfig)
     time: TimeConfig = knob(None, "the time until each predicted call (quantiles, head, loss weight)",
                             factory=TimeConfig)
@@ -337,7 +340,8 @@ class TrainConfig(Knobs):
 def train_config(cfg) -> TrainConfig:
     """train.py's composed config as its checked form: each group by its own knobs class."""
     top = build({k: cfg[k] for k in ("task_name", "seed", "horizon", "checkpoint_name", "torch_threads",
-                                     "optimized_metric", "datamodule", "time") if k in cfg}, TrainConfig)
+                                     "optimized_metric", "encodings_dir", "datamodule", "time") if k in cfg},
+                TrainConfig)
     top.data = data_config(cfg.data)
     name = cfg.model.get("name")
     if name not in MODEL_CONFIGS:

@@ -52,6 +52,11 @@ def keep_encodings_in(folder: str | os.PathLike | None) -> None:
     _minilm_disk[:] = [Path(folder)] if folder is not None else []
 
 
+def encodings_kept_in() -> Path | None:
+    """The folder keep_encodings_in gave last (None: memory only)."""
+    return _minilm_disk[0] if _minilm_disk else None
+
+
 class HashingTextEncoder:
     """l2-normalised counts of hashed word 1..n-grams (sklearn HashingVectorizer)."""
 

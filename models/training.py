@@ -32,6 +32,7 @@ from models.config import train_config
 from models.datamodule import TraceDataModule
 from models.metrics import METRIC_NAMES, time_metric_names
 from models.module import PredictorModule
+from models.text import encodings_kept_in, keep_encodings_in
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,9 @@ def _hydra_job(cfg: DictConfig) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
-    """The caller's threads, generators and environment after the block: a training in evaluate.py
-    must not change the replays that follow it, nor how fast they run."""
-    threads = torch.get_num_threads()
+    """The caller's threads, generators, environment and MiniLM embeddings folder after the block: a
+    training in evaluate.py must not change the replays that follow it, nor how fast they run."""
+    threads, encodings = torch.get_num_threads(), encodings_kept_in()
     deterministic = (torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled())
     generators = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -101,6 +102,7 @@ def _process_state_kept() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+        keep_encodings_in(encodings)
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         random.setstate(generators[0])
         np.random.set_state(generators[1])
@@ -158,6 +160,7 @@ def train(cfg: DictConfig, run_dir: str | Path | None = None, final_dir: str | P
     run_dir = Path(run_dir or HydraConfig.get().runtime.output_dir)
     if cfg.get("torch_threads"):
         torch.set_num_threads(cfg.torch_threads)  # results depend on it: reductions split differently
+    keep_encodings_in(cfg.get("encodings_dir"))  # the data's texts, encoded once for the runs after this one
     pl.seed_everything(cfg.seed, workers=True)
     datamodule, predictor = build_predictor(cfg)
     optimizer, scheduler = cfg.model.get("optimizer"), cfg.model.get("scheduler")

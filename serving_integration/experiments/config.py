@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from data import CONF_DIR
+from data.config import PREDICTOR_CACHE
 from data.errors import ConfigError
 from data.knobs import at_least, build, check, each, knob, nonempty, one_of, probability, register, unique
 from serving_integration.cache.config import PREFETCH_MODES, ContinuumConfig, KvflowConfig, NoiseConfig, \
@@ -112,8 +113,8 @@ class PredictorConfig(NoiseConfig, OnlineBackoffConfig):
     train: Optional[str] = knob(None, "or a family that train.py trains on this dataset", one_of(model_families))
     train_overrides: list = knob(None, "extra train.py overrides for predictor.train (e.g. ['trainer.max_epochs=5'])",
                                  strings, factory=list)
-    cache_dir: str = knob("${oc.env:PBKV_PREDICTOR_CACHE,.cache/pbkv/predictors}",
-                          "where predictor.train's checkpoints are cached", nonempty)
+    cache_dir: str = knob(PREDICTOR_CACHE, "where predictor.train's checkpoints (and the MiniLM embeddings of "
+                                           "their data's texts) are cached", nonempty)
     max_unknown: float = knob(0.5, "share of the data's agents the checkpoint may not know (they map to <unk>)",
                               probability)
     tabulate: bool = knob(True, "a network's predictions of every prefix computed before the replay, in large "

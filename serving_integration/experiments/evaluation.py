@@ -137,7 +137,7 @@ def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int
     log.info("training %s on %s into %s", p.train, data, run)
     keep_encodings_in(encodings_folder(p))  # the dataset's task texts, encoded once for every family
     overrides = [f"model={p.train}", f"data.path={data}", f"seed={seed}", f"horizon={horizon}", "logger=csv",
-                 *p.train_overrides]
+                 f"encodings_dir={encodings_folder(p)}", *p.train_overrides]
     try:
         train_here(overrides, run)
     except HydraException as e:  # an override train.py's config cannot take
@@ -147,7 +147,7 @@ def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int
 
 def encodings_folder(p: PredictorConfig) -> Path:
     """Where MiniLM embeddings of task lists are kept (models.text.keep_encodings_in)."""
-    return Path(p.cache_dir).resolve() / "text_encodings"
+    return Path(p.cache_dir).resolve() / TEXT_ENCODINGS
 
 
 def learned_source(p: PredictorConfig, replay: "Replay", seed: int, horizon: int):

@@ -95,6 +95,35 @@ def test_same_config_gives_same_metrics(tmp_path, monkeypatch):
     assert [first[k] for k in keys] == [second[k] for k in keys]
 
 
+def test_train_keeps_the_minilm_embeddings_of_its_texts_for_the_runs_after_it(tmp_path, monkeypatch):
+    """encodings_dir: the first run encodes the data's texts and keeps them; the next one reads them
+    (not one text encoded) and trains the same weights; null keeps nothing."""
+    import torch
+
+    import models.text as text
+
+    monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())  # nothing answered from this process's memory
+    monkeypatch.setattr(text, "_minilm_disk", [])
+    monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)  # the tiny data's 30 task texts are kept too
+    kept = tmp_path / "kept"
+    overrides = ["model=graphsage", "model/text_encoder=minilm", *TINY, "trainer.max_epochs=1"]
+    first = train(compose_train([*overrides, f"encodings_dir={kept}"], tmp_path / "a"), run_dir=tmp_path / "a")
+    files = sorted(kept.glob("minilm-*.npy"))
+    assert files  # the task texts and the agents' identity texts
+    text._MINILM_ENCODED.clear()
+    monkeypatch.setattr(text.MiniLMTextEncoder, "_encode", lambda self, texts: pytest.fail("encoded again"))
+    second = train(compose_train([*overrides, f"encodings_dir={kept}"], tmp_path / "b"), run_dir=tmp_path / "b")
+    assert [first[k] for k in metric_keys(3)] == [second[k] for k in metric_keys(3)]
+    weights = [read_checkpoint(tmp_path / run / "predictor.pt")["state_dict"] for run in ("a", "b")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    monkeypatch.undo()
+    monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(text, "_minilm_disk", [])
+    train(compose_train([*overrides, "encodings_dir=null"], tmp_path / "c"), run_dir=tmp_path / "c")
+    assert text.encodings_kept_in() is None and sorted(kept.glob("*.npy")) == files
+
+
 def test_training_in_process_equals_train_py(dataset_dir, tmp_path, monkeypatch):
     """evaluate.py trains its predictors with models.training.train_here: the same predictor, metrics
     and run folder as the command, and the process's threads, generators and environment as before."""
@@ -103,6 +132,7 @@ def test_training_in_process_equals_train_py(dataset_dir, tmp_path, monkeypatch)
     import numpy as np
     import torch
 
+    from models.text import encodings_kept_in, keep_encodings_in
     from models.training import train_here
 
     args = ["model=graphsage", f"data.path={dataset_dir}", *TINY]
@@ -120,7 +150,10 @@ def test_training_in_process_equals_train_py(dataset_dir, tmp_path, monkeypatch)
         random.seed(5)
         np.random.seed(5)
         torch.manual_seed(5)
+        monkeypatch.setattr("models.text._minilm_disk", [])  # the caller's folder, put back after the test
+        keep_encodings_in(tmp_path / "callers")
         train_here(args, tmp_path / "here")
+        assert encodings_kept_in() == tmp_path / "callers"  # the training's own folder is not left behind
         assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
         assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected and dict(os.environ) == environ
     finally:
