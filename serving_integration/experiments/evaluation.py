@@ -68,6 +68,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import REPO, cpu_kernels, store
 from data.atomic import built_once, write_json
+from data.config import TEXT_ENCODINGS
 from data.errors import ConfigError
 from data.knobs import build
 from data.stats import live_working_set_tokens
