@@ -64,14 +64,16 @@ def too_few(n_workflows: int, split: SplitConfig, key: str) -> None:
                           f"(split.val={split.val}, split.test={split.test})")
 
 
-# ------------------------------------------------------------------ workloads (data/generators.py)
-
 # Where what one run builds is kept for the next: datasets (data.cache_dir), trained predictors
 # (evaluate.py's predictor.cache_dir) and, in its TEXT_ENCODINGS folder, the MiniLM embeddings of
 # their data's texts (models.text.keep_encodings_in; train.py's encodings_dir).
 DATA_CACHE = "${oc.env:PBKV_DATA_CACHE,.cache/pbkv/data}"
 PREDICTOR_CACHE = "${oc.env:PBKV_PREDICTOR_CACHE,.cache/pbkv/predictors}"
 TEXT_ENCODINGS = "text_encodings"
+
+
+# ------------------------------------------------------------------ workloads (data/generators.py)
+
 MEMORIES = ("per_agent", "transcript")  # what a generated call's prompt resends (data/generators.py)
 
 

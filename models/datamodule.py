@@ -221,8 +221,8 @@ class TraceDataModule(pl.LightningDataModule):
             texts = TextFeatures(text).project(texts)
         times = torch.from_numpy(np.concatenate(times)).float() if times else torch.zeros(0, horizon)
         return Examples(torch.tensor(paths, dtype=torch.long).view(-1, width),
-                             torch.tensor(n_calls, dtype=torch.long), texts,
-                             torch.tensor(labels, dtype=torch.long).view(-1, horizon), times)
+                        torch.tensor(n_calls, dtype=torch.long), texts,
+                        torch.tensor(labels, dtype=torch.long).view(-1, horizon), times)
 
     @staticmethod
     def text_vector(wf: Workflow, t: int, text: TextSpec, task_vectors: dict[str, Tensor]) -> Tensor:
