@@ -132,11 +132,10 @@ def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int
     the folder and checkpoint train.py would write, appearing complete or not at all)."""
     from hydra.errors import HydraException
 
-    from models.text import keep_encodings_in
     from models.training import train_here
 
     log.info("training %s on %s into %s", p.train, data, run)
-    keep_encodings_in(encodings_folder(p))  # the dataset's task texts, encoded once for every family
+    # the dataset's task texts, encoded once for every family and kept beside the predictors
     overrides = [f"model={p.train}", f"data.path={data}", f"seed={seed}", f"horizon={horizon}", "logger=csv",
                  f"encodings_dir={encodings_folder(p)}", *p.train_overrides]
     try:
