@@ -49,9 +49,10 @@ cdef class LruShadowCache(ShadowCache):
 # (benchmarks/simulator_speed.py wraps a judge's observe_* methods to time them)
 cdef class OutcomeTrust:
     cdef dict __dict__
-    cdef public object values, share, seed, margin, min_calls, z, slack, by_node, decay, clock, shadows
+    cdef public object values, share, seed, margin, min_calls, z, return_z, slack, by_node, decay, clock, shadows
     cdef public object prompt_tokens, total_prompt_tokens, _dd, _dp, _pp, sampled_calls, trusted, switches
-    cdef public object host_tier
+    cdef public object host_tier, cumulative
+    cdef public list _since
     cdef public dict parent, ends, entries, tables, keys_of, _revised, locked, running, _sampled
     cdef public ShadowCache score_shadow
     cdef public LruShadowCache lru_shadow

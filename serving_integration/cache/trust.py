@@ -28,7 +28,10 @@ cache inserts them. Each shadow holds at most R x the tokens the cache may hold 
 less what running requests hold outside the tree, `set_capacity`, told before every admission and
 insert) and evicts by its own order. Neither depends on which order the real cache follows, so
 neither is fed back its own choices. The decision compares the two hit rates over a moving window
-of admitted calls and flips, with a margin, to the one that wins.
+of admitted calls and flips, with a margin, to the one that wins (`outcome_return_z`: a bar of its
+own for the return to the score after a fallback; `outcome_cumulative`: the difference over every
+sampled call since the last flip may flip the order too, so that a lead smaller than the window's
+standard error but steady is not ignored; both off by default, docs/serving.md section 10).
 
 What the real server had of a prompt is in its tree while the call runs: with a host tier, a host
 hit is loaded back at admission and the next call reads it from the GPU, so each shadow holds that
@@ -345,6 +348,13 @@ class LruShadowCache(ShadowCache):
         heapq.heapify(self.heap)
 
 
+def ratio_error(r: float, dd: float, dp: float, pp: float, total: float) -> float:
+    """The standard error of a ratio estimate r = sum d / sum p from its sums of d^2, d p and p^2
+    (delta method), `total` = sum p."""
+    spread = dd - 2 * r * dp + r * r * pp
+    return math.sqrt(max(spread, 0.0)) / total
+
+
 class OutcomeTrust:
     """trust=outcome: the score order against lifecycle-aware LRU on two shadow caches that follow
     the workflows' calls (all of them by default, a seeded sample below outcome_sample = 1; module
@@ -364,6 +374,7 @@ class OutcomeTrust:
         self.values = values
         self.share, self.seed = options.outcome_sample, options.outcome_seed
         self.margin, self.min_calls, self.z = options.outcome_margin, options.outcome_min_calls, options.outcome_z
+        self.return_z = options.outcome_return_z
         self.slack = options.outcome_slack
         self.by_node = options.outcome_unit == "node"
         # outcome_unit=node: each key's parent (the key before it in a prompt; chained keys have one)
@@ -389,6 +400,9 @@ class OutcomeTrust:
         # decayed sums of d^2, d p and p^2 over sampled calls, d = (lru hits - score hits), p = prompt
         # tokens: the variance of the ratio estimate sum d / sum p (hit_rates' difference)
         self._dd = self._dp = self._pp = 0.0
+        # outcome_cumulative: the same sums over every sampled call since the last flip, undecayed
+        self.cumulative = options.outcome_cumulative
+        self._since = [0.0] * 6  # sum d, sum p, sum d^2, sum d p, sum p^2, calls
         self.sampled_calls = 0
         self.trusted, self.switches = True, 0
         self._sampled: dict[str, bool] = {}  # workflow -> is_sampled, memoised (at most SAMPLED_MEMO)
@@ -443,6 +457,14 @@ class OutcomeTrust:
         d = hits[1] - hits[0]
         self._dd, self._dp, self._pp = (self._dd * decay + d * d, self._dp * decay + d * prompt,
                                         self._pp * decay + prompt * prompt)
+        if self.cumulative:
+            since = self._since
+            since[0] += d
+            since[1] += prompt
+            since[2] += d * d
+            since[3] += d * prompt
+            since[4] += prompt * prompt
+            since[5] += 1
         loaded = cached if cached and self.host_tier else 0  # the prefix held from admission on
         reserved = tuple(0 if cached is None else cached - max(hit, loaded) for hit in hits)
         for shadow, tokens in zip(self.shadows, reserved):
@@ -667,19 +689,39 @@ class OutcomeTrust:
         decayed per-call sums (delta method)."""
         total = self.prompt_tokens or 1.0
         r = (self.lru_shadow.hit_tokens - self.score_shadow.hit_tokens) / total
-        spread = self._dd - 2 * r * self._dp + r * r * self._pp
-        return math.sqrt(max(spread, 0.0)) / total
+        return ratio_error(r, self._dd, self._dp, self._pp, total)
+
+    def lead_since_flip(self) -> tuple[float, float]:
+        """outcome_cumulative: lifecycle-aware LRU's lead over the score in hit rate over every sampled
+        call since the last flip (or the start), and its standard error."""
+        d, total, dd, dp, pp, _ = self._since
+        total = total or 1.0
+        r = d / total
+        return r, ratio_error(r, dd, dp, pp, total)
 
     def _decide(self) -> bool:
-        """Flip to the other order once it wins by more than the margin plus z standard errors: a
-        large, steady difference flips within a few dozen sampled calls, noise does not."""
+        """Flip to the other order once it wins by more than the margin plus z standard errors (to
+        return to the score after a fallback: return_z) over the window, or, with outcome_cumulative,
+        over every sampled call since the last flip (once there are min_calls of them): a large,
+        steady difference flips within a few dozen sampled calls, noise does not."""
         if self.sampled_calls < self.min_calls:  # too little evidence yet: the predictions are trusted
             return False
         score, lru = self.hit_rates()
-        bar = self.margin + self.z * self.standard_error()
-        trusted = score >= lru - bar if self.trusted else score > lru + bar
+        if self.trusted:
+            trusted = score >= lru - (self.margin + self.z * self.standard_error())
+        else:
+            trusted = score > lru + (self.margin + self.return_z * self.standard_error())
+        if self.cumulative and trusted == self.trusted and self._since[5] >= self.min_calls:
+            # the window holds; the evidence since the flip (over as many calls as the first decision) may not
+            lead, error = self.lead_since_flip()
+            if self.trusted:
+                trusted = not lead > self.margin + self.z * error
+            else:
+                trusted = -lead > self.margin + self.return_z * error
         flipped, self.trusted = trusted != self.trusted, trusted
         self.switches += flipped
+        if flipped:
+            self._since = [0.0] * 6
         return flipped
 
     def report(self) -> dict:

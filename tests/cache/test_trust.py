@@ -199,11 +199,11 @@ def test_the_sample_is_seeded_stable_and_of_the_given_share():
     assert trust.observe_call(unsampled, "a", ["K"], [5]) is False and trust.sampled_calls == 0
 
 
-def flips(**options):
-    """The calls of the hand-checked sequence at which the order flipped."""
+def flips(then=(), **options):
+    """The calls of the hand-checked sequence (and of `then` after it) at which the order flipped."""
     trust, _ = judge(**options)
     sequence = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
-                ("w2", "a", "S"), ("w1", "c", "X")]
+                ("w2", "a", "S"), ("w1", "c", "X"), *then]
     return [i for i, (w, agent, key) in enumerate(sequence, 1) if run_call(trust, w, agent, [key], [4])]
 
 
@@ -213,6 +213,27 @@ def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_e
     # at call 6 LRU leads by 4 of 24 prompt tokens (0.167), with a standard error of 0.152
     assert flips(outcome_z=1.0) == [6] and flips(outcome_z=2.0) == []
     assert flips(outcome_margin=0.2) == []
+
+
+def test_the_return_to_the_score_after_a_fallback_has_its_own_bar():
+    # after the flip at call 6, T (call 8) is a hit for the score only: it leads by 12 of 32 tokens
+    # against 8 (0.125), with a standard error of 0.212, and leads less at calls 9 and 10
+    then = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]
+    assert flips(then, outcome_return_z=1.0) == [6]  # within one standard error: LRU stays followed
+    assert flips(then, outcome_return_z=0.0) == [6, 8]  # past the margin alone: back to the score
+    assert flips(then, outcome_return_z=0.0, outcome_margin=0.15) == [6]  # the margin bars the return too
+    assert flips(outcome_return_z=5.0) == [6]  # leaving the score reads outcome_z only
+
+
+def test_the_evidence_since_the_last_flip_can_flip_back_where_the_window_does_not():
+    # since the flip at call 6, every call was a hit for the score only (call 7: X, 4 tokens against
+    # none; call 8: T): a lead of 1.0 with no spread, where the window (here the whole run) still
+    # holds the calls before the flip (the score leads by 0.125 at call 8, standard error 0.212)
+    then = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]
+    assert flips(then, outcome_return_z=1.0, outcome_cumulative=True) == [6, 7]
+    # the evidence since the flip waits for outcome_min_calls calls, as the first decision does
+    assert flips(then, outcome_return_z=1.0, outcome_cumulative=True, outcome_min_calls=2) == [6, 8]
+    assert flips(then, outcome_return_z=1.0, outcome_cumulative=False, outcome_min_calls=2) == [6]
 
 
 def test_trust_knobs_are_checked():
