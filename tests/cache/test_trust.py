@@ -199,12 +199,14 @@ def test_the_sample_is_seeded_stable_and_of_the_given_share():
     assert trust.observe_call(unsampled, "a", ["K"], [5]) is False and trust.sampled_calls == 0
 
 
-def flips(then=(), **options):
+HAND_CHECKED = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
+                ("w2", "a", "S"), ("w1", "c", "X")]
+
+
+def flips(then=(), sequence=HAND_CHECKED, **options):
     """The calls of the hand-checked sequence (and of `then` after it) at which the order flipped."""
     trust, _ = judge(**options)
-    sequence = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
-                ("w2", "a", "S"), ("w1", "c", "X"), *then]
-    return [i for i, (w, agent, key) in enumerate(sequence, 1) if run_call(trust, w, agent, [key], [4])]
+    return [i for i, (w, agent, key) in enumerate([*sequence, *then], 1) if run_call(trust, w, agent, [key], [4])]
 
 
 def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_error():
@@ -234,6 +236,17 @@ def test_the_evidence_since_the_last_flip_can_flip_back_where_the_window_does_no
     # the evidence since the flip waits for outcome_min_calls calls, as the first decision does
     assert flips(then, outcome_return_z=1.0, outcome_cumulative=True, outcome_min_calls=2) == [6, 8]
     assert flips(then, outcome_return_z=1.0, outcome_cumulative=False, outcome_min_calls=2) == [6]
+
+
+def test_the_evidence_since_the_start_can_leave_the_score_where_the_window_cannot_tell():
+    # LRU's only lead is call 6 (S: 4 tokens against none); call 7 is a miss for both. No decision
+    # before call 7 (min_calls); there a window of about 2 calls has LRU ahead by 0.25, under a bar of
+    # 0.31 (so short a window has a wide standard error), while over all 7 calls LRU leads by 4 of 28
+    # tokens (0.143), standard error 0.132: past the bar
+    sequence = [*HAND_CHECKED[:6], ("w1", "a", "N")]
+    options = {"outcome_window": 2, "outcome_z": 1.0, "outcome_min_calls": 7}
+    assert flips(sequence=sequence, **options) == []
+    assert flips(sequence=sequence, outcome_cumulative=True, **options) == [7]
 
 
 def test_trust_knobs_are_checked():
