@@ -201,6 +201,7 @@ def test_the_sample_is_seeded_stable_and_of_the_given_share():
 
 HAND_CHECKED = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a", "S"), ("w1", "a", "V"),
                 ("w2", "a", "S"), ("w1", "c", "X")]
+AFTER_THE_FLIP = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]  # hits for the score only, or for both
 
 
 def flips(then=(), sequence=HAND_CHECKED, **options):
@@ -220,7 +221,7 @@ def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_e
 def test_the_return_to_the_score_after_a_fallback_has_its_own_bar():
     # after the flip at call 6, T (call 8) is a hit for the score only: it leads by 12 of 32 tokens
     # against 8 (0.125), with a standard error of 0.212, and leads less at calls 9 and 10
-    then = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]
+    then = AFTER_THE_FLIP
     assert flips(then, outcome_return_z=1.0) == [6]  # within one standard error: LRU stays followed
     assert flips(then, outcome_return_z=0.0) == [6, 8]  # past the margin alone: back to the score
     assert flips(then, outcome_return_z=0.0, outcome_margin=0.15) == [6]  # the margin bars the return too
@@ -231,7 +232,7 @@ def test_the_evidence_since_the_last_flip_can_flip_back_where_the_window_does_no
     # since the flip at call 6, every call was a hit for the score only (call 7: X, 4 tokens against
     # none; call 8: T): a lead of 1.0 with no spread, where the window (here the whole run) still
     # holds the calls before the flip (the score leads by 0.125 at call 8, standard error 0.212)
-    then = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]
+    then = AFTER_THE_FLIP
     assert flips(then, outcome_return_z=1.0, outcome_cumulative=True) == [6, 7]
     # the evidence since the flip waits for outcome_min_calls calls, as the first decision does
     assert flips(then, outcome_return_z=1.0, outcome_cumulative=True, outcome_min_calls=2) == [6, 8]
