@@ -59,10 +59,11 @@ class TrustConfig:
     outcome_z: float = knob(1.0, "outcome: the hit-rate difference must pass the margin by this many of its "
                             "standard errors (over the window's sampled calls) before the order flips (1, "
                             "chosen on validation: 0 flips on noise, and each flip costs)", at_least(0))
-    outcome_return_z: float = knob(1.0, "outcome: after a fallback, the score's lead must pass the margin by this "
+    outcome_return_z: float = knob(0.5, "outcome: after a fallback, the score's lead must pass the margin by this "
                                    "many standard errors for the order to return to the score (outcome_z: to "
-                                   "leave it)", at_least(0))
-    outcome_cumulative: bool = knob(False, "outcome: flip also once the hit-rate difference over every sampled call "
+                                   "leave it; 0.5 with outcome_cumulative, chosen on validation: docs/serving.md "
+                                   "section 10)", at_least(0))
+    outcome_cumulative: bool = knob(True, "outcome: flip also once the hit-rate difference over every sampled call "
                                     "since the last flip (not only over the window) passes the same bar")
     outcome_margin: float = knob(0.005, "outcome's hysteresis: fall back once lifecycle-aware LRU's shadow hit "
                                  "rate beats the score's by more than this (and outcome_z standard errors), "

@@ -14,8 +14,10 @@ VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent],
 
 
 def judge(capacity=12, **options):
+    # every option of the decision pinned, so the hand-checked steps do not move with the defaults
     options = {"outcome_sample": 1.0, "outcome_window": 10**6, "outcome_min_calls": 1, "outcome_z": 0.0,
-               "outcome_margin": 0.001, "outcome_slack": 0.0, **options}
+               "outcome_return_z": 1.0, "outcome_cumulative": False, "outcome_margin": 0.001,
+               "outcome_slack": 0.0, **options}
     live = dict.fromkeys(VALUES)
     trust = OutcomeTrust(TrustConfig(**options), lambda w: VALUES[w] if w in live else None)
     trust.set_capacity(capacity / trust.share)  # the shadows hold share x the GPU tokens
