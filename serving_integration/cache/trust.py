@@ -31,7 +31,7 @@ neither is fed back its own choices. The decision compares the two hit rates ove
 of admitted calls and flips, with a margin, to the one that wins (`outcome_return_z`: a bar of its
 own for the return to the score after a fallback; `outcome_cumulative`: the difference over every
 sampled call since the last flip may flip the order too, so that a lead smaller than the window's
-standard error but steady is not ignored; both off by default, docs/serving.md section 10).
+standard error but steady is not ignored; by default 0.5 and on, docs/serving.md section 10).
 
 What the real server had of a prompt is in its tree while the call runs: with a host tier, a host
 hit is loaded back at admission and the next call reads it from the GPU, so each shadow holds that
