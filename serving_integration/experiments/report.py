@@ -542,20 +542,27 @@ def always_wins(lru: list[float], always: list[float]) -> bool:
     return mean > (half if half is not None else 1e-9)
 
 
-def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, bool]:
-    """Per seed: the judged mode minus max(lru, pbkv_lae), its share of always's gain over LRU (nan
-    where always gains nothing), and whether both criteria hold (the share only where always wins)."""
+def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, float, bool, bool]:
+    """Per seed: the judged mode minus max(lru, pbkv_lae) and its share of always's gain over LRU (nan
+    where always gains nothing in that seed); its share of always's mean gain over the seeds (nan where
+    that is none); whether the criteria hold (at most 1 point below in every seed; where always wins by
+    more than its interval, 95% of always's gain, the gain that interval is of: the mean over the
+    seeds), and whether they hold with the share in every seed too (stricter: one
+    seed's gain of a tenth of a point makes its share noise)."""
     margin = [ai - max(li, ei) for li, ei, ai in zip(lru, lae, judged)]
     keep = [(ai - li) / (wi - li) if wi - li > 1e-9 else math.nan for li, ai, wi in zip(lru, judged, always)]
     kept = [k >= ROBUST_KEEP if not math.isnan(k) else ai >= wi - 1e-12 for k, ai, wi in zip(keep, judged, always)]
-    return margin, keep, all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin) and (not wins or all(kept))
+    gain = sum(wi - li for li, wi in zip(lru, always)) / len(lru)
+    mean_keep = sum(ai - li for li, ai in zip(lru, judged)) / len(lru) / gain if gain > 1e-9 else math.nan
+    near = all(m >= -ROBUST_TOLERANCE - 1e-12 for m in margin)
+    return margin, keep, mean_keep, near and (not wins or mean_keep >= ROBUST_KEEP), near and (not wins or all(kept))
 
 
 def robustness_check(rows) -> str:
     """Per seed: each judged trust mode minus max(lru, pbkv_lae) in points, and the share of always's
-    gain over LRU it keeps; each against its criterion."""
-    # (policy, mode) -> [rows meeting both criteria, rows]
-    body, met = [], {(policy, mode): [0, 0] for policy in TRUSTING for mode in JUDGED}
+    gain over LRU it keeps, per seed and of the mean gain; each against its criterion (trust_verdict)."""
+    # (policy, mode) -> [rows meeting both criteria, rows meeting them with the share in every seed, rows]
+    body, met = [], {(policy, mode): [0, 0, 0] for policy in TRUSTING for mode in JUDGED}
     for key, policy, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
         at = dict(zip(SETTING, key))
         l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
@@ -571,13 +578,14 @@ def robustness_check(rows) -> str:
                 cells += ["n/a"] * 4
                 continue
             a = per_seed(modes[mode], "hit_rate")
-            margin, keep, ok = trust_verdict(l, e, a, w, wins)
+            margin, keep, mean_keep, ok, every_seed = trust_verdict(l, e, a, w, wins)
             met[policy, mode][0] += ok
-            met[policy, mode][1] += 1
+            met[policy, mode][1] += every_seed
+            met[policy, mode][2] += 1
             cells += [" / ".join(f"{x:.1%}" for x in a), " / ".join(f"{100 * m:+.1f}" for m in margin),
                       " / ".join("no gain" if math.isnan(k) else f"{k:.0%}" for k in keep)
-                      + ("" if wins else " (always within its interval: not checked)"),
-                      "yes" if ok else "**no**"]
+                      + (f"; mean {mean_keep:.0%}" if wins else " (always within its interval: not checked)"),
+                      ("yes" if every_seed else "yes (not in every seed)") if ok else "**no**"]
         body.append(cells)
     if not body:
         return ("No setting with lru, pbkv_lae, and pbkv or pbkv_time under always and under outcome or accuracy "
@@ -588,8 +596,10 @@ def robustness_check(rows) -> str:
         head += [mode, f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
                  f"{mode}: criteria met"]
     tally = "; ".join(f"{policy} under {mode} trust in {ok} of {n} rows"
-                      for (policy, mode), (ok, n) in met.items() if n)
-    return f"Both criteria met in every seed: {tally}.\n\n" + md_table(head, body)
+                      for (policy, mode), (ok, _, n) in met.items() if n)
+    strict = "; ".join(f"{policy} under {mode} trust in {ok} of {n}" for (policy, mode), (_, ok, n) in met.items() if n)
+    return (f"Both criteria met (within 1 point in every seed; 95% of always's mean gain where it wins): {tally}. "
+            f"With 95% of always's gain in every seed too: {strict}.\n\n" + md_table(head, body))
 
 
 def predictor_check(rows) -> str:
@@ -630,10 +640,11 @@ ROBUST_NOTE = (
     "caches that follow the server's calls) and under accuracy trust (it falls back to lifecycle-aware LRU while "
     "the predictions it checks online are poor), each against the better of lru and pbkv_lae, in points of GPU "
     "hit rate (criterion: >= -1 in every seed), and the share of the gain of pbkv under always trust (the "
-    "paper's policy; for pbkv_time its own order always followed) over LRU that it keeps (criterion where "
-    "always's gain over LRU exceeds its 95% interval "
-    "over the seeds: >= 95% in every seed; \"no gain\": always gains nothing over LRU in that seed, met when the "
-    "mode is no worse than always). "
+    "paper's policy; for pbkv_time its own order always followed) over LRU that it keeps, per seed and of the "
+    "mean gain over the seeds (criterion where always's gain over LRU exceeds its 95% interval over the seeds: "
+    ">= 95% of that mean gain; \"yes (not in every seed)\": met, but some seed keeps less than 95% of its own "
+    "gain, which the stricter count above the table also requires; \"no gain\": always gains nothing over LRU "
+    "in that seed, counted as kept when the mode is no worse than always). "
     "The predictor table gives the test top-1 at k=1 of the predictor behind pbkv beside Markov's, per seed.")
 
 
