@@ -547,8 +547,8 @@ def trust_verdict(lru, lae, judged, always, wins: bool) -> tuple[list, list, flo
     where always gains nothing in that seed); its share of always's mean gain over the seeds (nan where
     that is none); whether the criteria hold (at most 1 point below in every seed; where always wins by
     more than its interval, 95% of always's gain, the gain that interval is of: the mean over the
-    seeds), and whether they hold with the share in every seed too (stricter: one
-    seed's gain of a tenth of a point makes its share noise)."""
+    seeds), and whether they hold with the share in every seed too (stricter: a seed where always
+    gains a few hundredths of a point has a share that is noise, docs/serving.md section 10)."""
     margin = [ai - max(li, ei) for li, ei, ai in zip(lru, lae, judged)]
     keep = [(ai - li) / (wi - li) if wi - li > 1e-9 else math.nan for li, ai, wi in zip(lru, judged, always)]
     kept = [k >= ROBUST_KEEP if not math.isnan(k) else ai >= wi - 1e-12 for k, ai, wi in zip(keep, judged, always)]
