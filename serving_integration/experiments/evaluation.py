@@ -91,6 +91,8 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
                        wait: bool = True) -> Path | None:
     """`predictor.train=FAMILY`: train.py's checkpoint for this dataset, trained once and cached;
     `wait=False`: None at once when another job is training it now."""
+    from models.text import MINILM_EMBEDDING
+
     recipe = {"family": p.train, "data": str(Path(dataset_path).resolve()), "seed": seed, "horizon": horizon}
     family_config = REPO / "conf" / "model" / f"{p.train}.yaml"
     if family_config.is_file():  # a changed default (e.g. a new input of the family) trains anew
@@ -98,6 +100,7 @@ def trained_checkpoint(p: PredictorConfig, dataset_path: Path, seed: int, horizo
     if p.train_overrides:
         recipe["overrides"] = list(p.train_overrides)
     recipe["cpu_kernels"] = cpu_kernels.fingerprint()  # a predictor trained on other kernels is another one
+    recipe["minilm_embedding"] = MINILM_EMBEDDING  # and one trained on embeddings computed otherwise
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     run = Path(p.cache_dir).resolve() / f"{p.train}-{key}"
     if not (run / "predictor.pt").is_file():
@@ -146,7 +149,7 @@ def train_into(run: Path, p: PredictorConfig, data: str, seed: int, horizon: int
 
 
 def encodings_folder(p: PredictorConfig) -> Path:
-    """Where MiniLM embeddings of task lists are kept (models.text.keep_encodings_in)."""
+    """Where MiniLM embeddings of task texts are kept (models.text.keep_encodings_in)."""
     return Path(p.cache_dir).resolve() / TEXT_ENCODINGS
 
 

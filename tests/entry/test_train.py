@@ -103,15 +103,17 @@ def test_train_keeps_the_minilm_embeddings_of_its_texts_for_the_runs_after_it(tm
     import models.text as text
 
     monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())  # nothing answered from this process's memory
+    monkeypatch.setattr(text, "_MINILM_TEXTS", text.OrderedDict())  # nothing answered from this process's memory
     monkeypatch.setattr(text, "_minilm_disk", [])
+    monkeypatch.setattr(text, "_shelves", {})
     monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)  # the tiny data's 30 task texts are kept too
     kept = tmp_path / "kept"
     overrides = ["model=graphsage", "model/text_encoder=minilm", *TINY, "trainer.max_epochs=1"]
     first = train(compose_train([*overrides, f"encodings_dir={kept}"], tmp_path / "a"), run_dir=tmp_path / "a")
-    files = sorted(kept.glob("minilm-*.npy"))
+    files = sorted(kept.glob("minilm-*.npz"))
     assert files  # the task texts and the agents' identity texts
-    text._MINILM_ENCODED.clear()
+    text._MINILM_TEXTS.clear()
+    text._shelves.clear()
     monkeypatch.setattr(text.MiniLMTextEncoder, "_encode", lambda self, texts: pytest.fail("encoded again"))
     second = train(compose_train([*overrides, f"encodings_dir={kept}"], tmp_path / "b"), run_dir=tmp_path / "b")
     assert [first[k] for k in metric_keys(3)] == [second[k] for k in metric_keys(3)]
@@ -121,7 +123,7 @@ def test_train_keeps_the_minilm_embeddings_of_its_texts_for_the_runs_after_it(tm
     monkeypatch.setenv("PBKV_DATA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(text, "_minilm_disk", [])
     train(compose_train([*overrides, "encodings_dir=null"], tmp_path / "c"), run_dir=tmp_path / "c")
-    assert text.encodings_kept_in() is None and sorted(kept.glob("*.npy")) == files
+    assert text.encodings_kept_in() is None and sorted(kept.glob("*.npz")) == files
 
 
 def test_training_in_process_equals_train_py(dataset_dir, tmp_path, monkeypatch):

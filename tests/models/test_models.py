@@ -236,48 +236,98 @@ def test_text_cache_encodes_each_task_once_and_evicts_lru():
     torch.testing.assert_close(features.encode_tasks(["y", "z"]), encoder.encode(["y", "z"]))
 
 
-def test_minilm_shares_one_model_and_answers_a_list_it_encoded_from_memory(monkeypatch):
+def test_minilm_shares_one_model_and_answers_a_text_it_encoded_from_memory(monkeypatch):
     import models.text as text
 
-    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
+    monkeypatch.setattr(text, "_MINILM_TEXTS", text.OrderedDict())
     monkeypatch.setattr(text, "MINILM_MEMO", 2)
+    encoded_now, real_encode = [], text.MiniLMTextEncoder._encode
+    monkeypatch.setattr(text.MiniLMTextEncoder, "_encode",
+                        lambda self, t: encoded_now.extend(t) or real_encode(self, t))
     first, second = text.MiniLMTextEncoder(), text.MiniLMTextEncoder()
     texts = ["find the 2019 revenue", "a much longer task about the verifier agent and its sources"]
     encoded = first.encode(texts)
     assert second._load() is first._load()  # one model per process and device
-    again = second.encode(texts)
-    assert torch.equal(again, encoded)
+    again = second.encode(texts[::-1])  # another list of the same texts: from memory
+    assert torch.equal(again, encoded.flip(0)) and encoded_now == texts
     again += 1  # the caller's copy: the memory keeps the encoder's answer
     assert torch.equal(first.encode(texts), encoded)
-    first.encode(["a"]), first.encode(["b"])  # two other lists push it out (MINILM_MEMO = 2)
-    assert list(texts) not in [list(key[2]) for key in text._MINILM_ENCODED]
+    first.encode(["a", "b"])  # two other texts push them out (MINILM_MEMO = 2)
+    assert not {key[1] for key in text._MINILM_TEXTS} & set(texts)
     assert torch.equal(first.encode(texts), encoded)  # encoded again: bit for bit the same
+    assert encoded_now == [*texts, "a", "b", *texts]
 
 
-def test_minilm_embeddings_kept_on_disk_are_read_back_and_a_broken_file_is_encoded_again(monkeypatch, tmp_path):
+def test_a_minilm_embedding_is_the_one_its_text_gets_alone_in_any_list_and_on_any_thread_count(monkeypatch):
+    """MiniLMTextEncoder._encode batches only texts of one token length, on one thread: a text's
+    floats are those of encoding it alone, whatever list it comes in, so an embedding kept by text
+    is exact."""
     import models.text as text
 
-    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
+    monkeypatch.setattr(text, "_MINILM_TEXTS", text.OrderedDict())
+    encoder = text.MiniLMTextEncoder(batch_size=2)
+    # two pairs of one token length each (a batch of 2 and one of 1 per length), and longer texts
+    texts = ["find the revenue", "check the claim", "verify the sources", "rank the passages",
+             "a much longer task about the verifier agent and its sources", "x"]
+    model = encoder._load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = torch.cat([model.encode([t], batch_size=1, convert_to_tensor=True, normalize_embeddings=True,
+                                        show_progress_bar=False).float().cpu() for t in texts])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(encoder.encode(texts), alone)
+    text._MINILM_TEXTS.clear()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(encoder.encode(texts[::-1]), alone.flip(0))
+        assert torch.get_num_threads() == 2  # the caller's threads, put back
+    finally:
+        torch.set_num_threads(threads)
+    text._MINILM_TEXTS.clear()
+
+
+def test_minilm_embeddings_kept_on_disk_are_read_back_by_text_and_a_broken_file_is_encoded_again(monkeypatch,
+                                                                                                 tmp_path):
+    import models.text as text
+
+    monkeypatch.setattr(text, "_MINILM_TEXTS", text.OrderedDict())
     monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)
     monkeypatch.setattr(text, "_minilm_disk", [])
+    monkeypatch.setattr(text, "_shelves", {})
     texts = ["find the 2019 revenue", "check the claim against two sources"]
-    text.MiniLMTextEncoder().encode(texts[:1])  # shorter than MINILM_DISK_MIN_TEXTS: memory only
     text.keep_encodings_in(tmp_path / "kept")
+    text.MiniLMTextEncoder().encode(texts[:1])  # shorter than MINILM_DISK_MIN_TEXTS: memory only
+    assert not (tmp_path / "kept").exists()
+    text._MINILM_TEXTS.clear()
     encoded = text.MiniLMTextEncoder().encode(texts)
-    (kept,) = (tmp_path / "kept").glob("*.npy")
-    text._MINILM_ENCODED.clear()
-    monkeypatch.setattr(text.MiniLMTextEncoder, "_load", lambda self: pytest.fail("read from disk, not encoded"))
-    assert torch.equal(text.MiniLMTextEncoder().encode(texts), encoded)
-    monkeypatch.undo()
-    monkeypatch.setattr(text, "_MINILM_ENCODED", text.OrderedDict())
-    monkeypatch.setattr(text, "MINILM_DISK_MIN_TEXTS", 2)
-    monkeypatch.setattr(text, "_minilm_disk", [tmp_path / "kept"])
+    (kept,) = (tmp_path / "kept").glob("minilm-*.npz")
+
+    def new_process():
+        text._MINILM_TEXTS.clear()
+        text._shelves.clear()
+
+    new_process()
+    encoded_now = []
+    real_encode = text.MiniLMTextEncoder._encode
+    monkeypatch.setattr(text.MiniLMTextEncoder, "_encode",
+                        lambda self, t: encoded_now.extend(t) or real_encode(self, t))
+    third = "a third task, not kept yet"
+    both = text.MiniLMTextEncoder().encode([texts[1], third, texts[0]])  # by text: another list reads them
+    assert encoded_now == [third]
+    assert torch.equal(both[[2, 0]], encoded)
+    assert len(list((tmp_path / "kept").glob("minilm-*.npz"))) == 2  # the third is kept in a file of its own
+    new_process()
     kept.write_bytes(b"not an array")
+    encoded_now.clear()
     assert torch.equal(text.MiniLMTextEncoder().encode(texts), encoded)  # encoded again, bit for bit
-    assert text._read_embeddings(kept, 2, 384) is not None  # and kept again
-    text._MINILM_ENCODED.clear()
-    assert not torch.equal(text.MiniLMTextEncoder().encode(texts[::-1]), encoded)  # another list, another file
-    assert len(list((tmp_path / "kept").glob("*.npy"))) == 2
+    assert encoded_now == texts
+    new_process()
+    encoded_now.clear()
+    assert torch.equal(text.MiniLMTextEncoder().encode(texts), encoded)  # and kept again (the same file)
+    assert encoded_now == []
+    new_process()
 
 
 def test_hidden_vectors_are_used_when_the_trace_has_them():
