@@ -103,16 +103,20 @@ class EmbeddingShelf:
             rows.update(zip((text for text, _ in wanted), table[[row for _, row in wanted]]))
         return rows
 
-    def write(self, texts: list[str], digests: list[bytes], embeddings: Tensor) -> None:
-        """Keep these texts' embeddings (atomically); a folder that cannot be written only costs the
-        next run the encoding."""
+    def file_of(self, digests: list[bytes]) -> Path:
+        """Where the embeddings of the texts with these digests (in this order) are kept."""
+        return self.folder / f"{self.prefix}-{hashlib.blake2b(b''.join(digests), digest_size=16).hexdigest()}.npz"
+
+    def write(self, digests: list[bytes], embeddings: Tensor) -> None:
+        """Keep the embeddings of the texts with these digests (atomically); a folder that cannot be
+        written only costs the next run the encoding."""
         from data.atomic import OutputError, atomic_file
 
-        content = hashlib.blake2b(b"".join(digests), digest_size=16).hexdigest()
-        name = f"{self.prefix}-{content}.npz"
+        path = self.file_of(digests)
+        name = path.name
         keys = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), 16)
         try:
-            with atomic_file(self.folder / name) as tmp:
+            with atomic_file(path) as tmp:
                 with open(tmp, "wb") as f:
                     np.savez(f, keys=keys, embeddings=embeddings.numpy())
         except (OutputError, OSError) as e:
@@ -240,14 +244,13 @@ class MiniLMTextEncoder:
         rest = [t for t in texts if t not in found]
         if not rest:
             return found
-        batch = hashlib.blake2b(b"".join(digests[t] for t in rest), digest_size=16).hexdigest()
         try:
-            with built_once(shelf.folder / f"{shelf.prefix}-{batch}.npz"):
+            with built_once(shelf.file_of([digests[t] for t in rest])):
                 found.update(shelf.read({t: digests[t] for t in rest}))  # kept meanwhile by another job
                 rest = [t for t in rest if t not in found]
                 if rest:
                     embeddings = self._encode(rest)
-                    shelf.write(rest, [digests[t] for t in rest], embeddings)
+                    shelf.write([digests[t] for t in rest], embeddings)
                     found.update(zip(rest, embeddings))
         except OutputError as e:  # no lock there: the folder cannot be written
             warnings.warn(f"MiniLM embeddings not kept on disk: {e}", stacklevel=3)
