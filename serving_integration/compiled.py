@@ -13,7 +13,10 @@ and `cython.locals` in the .py typing the hot loops' locals as those classes), r
 build and part of the digest; a field keeps its Python type (object, or a C double or integer where
 the .py only ever stores one), so the numbers stay the same. At import, `CompiledFinder` looks for
 the extension whose digest is that of the .py (and .pxd) file now: an edited module runs
-interpreted until the next build, never a stale build. PBKV_COMPILED=0 turns both the build
+interpreted until the next build, never a stale build. A .pxd may cimport another module's
+declarations (the engine reads the tree's nodes, the workload's calls as C structs): the build's
+name then covers that module's current digest too, so editing it sends both back to the
+interpreter until the next build. PBKV_COMPILED=0 turns both the build
 and the hook off (to profile the Python with cProfile or py-spy, which do not see into the
 extensions, or to compare the two).
 """
@@ -26,6 +29,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +47,7 @@ MODULES = (
     "serving_integration.cache.baselines",
     "serving_integration.cache.router",
     "serving_integration.cache.workload",
+    "serving_integration.simulator.cost_model",
 )
 # Python semantics kept whole: annotations are not C types (Cython would otherwise reject a
 # defaultdict where a dict is annotated); binding: functions inspect and pickle can read (Cython 3's
@@ -73,13 +78,39 @@ def declarations(name: str) -> bytes:
     return path.read_bytes() if path.is_file() else b""
 
 
+def cimported(declared: bytes) -> list[str]:
+    """The modules of MODULES whose declarations `declared` cimports (`from X cimport ...`): a build
+    reads their struct layouts, so it is a build of their current sources too."""
+    named = re.findall(rb"^\s*from\s+([\w.]+)\s+cimport\b", declared, flags=re.MULTILINE)
+    return [name for name in (n.decode() for n in named) if name in MODULES]
+
+
 def digest(source: bytes, declared: bytes = b"") -> str:
-    """Names a build: the source's bytes, its declarations' and the directives it was compiled with."""
+    """Names a build: the source's bytes, its declarations', the directives it was compiled with,
+    and the current digests of the modules its declarations cimport (edit one of those and this
+    module too runs interpreted until rebuilt, never against an older layout)."""
     h = hashlib.blake2b(digest_size=10)
     h.update(repr(sorted(DIRECTIVES.items())).encode() + b"\x00" + source)
     if declared:
         h.update(b"\x00pxd\x00" + declared)
+    for name in cimported(declared):
+        h.update(b"\x00cimport\x00" + name.encode() + b"=" + current_digest(name).encode())
     return h.hexdigest()
+
+
+def upstream(name: str) -> list[str]:
+    """Every module whose declarations `name`'s build reads: those it cimports, theirs, and so on."""
+    found, todo = [], cimported(declarations(name))
+    while todo:
+        other = todo.pop()
+        if other not in found:
+            found.append(other)
+            todo.extend(cimported(declarations(other)))
+    return found
+
+
+def current_digest(name: str) -> str:
+    return digest(source_file(name).read_bytes(), declarations(name))
 
 
 def build_file(name: str, source: bytes, declared: bytes = b"") -> Path:
@@ -148,6 +179,10 @@ def build(jobs: int = 2) -> list[str]:
                 copy.write_bytes(source)
                 if declared:
                     copy.with_suffix(".pxd").write_bytes(declared)
+                for other in upstream(name):  # the layouts it reads, as the digest names them
+                    other_copy = Path(tmp, "src", *other.split(".")).with_suffix(".pxd")
+                    other_copy.parent.mkdir(parents=True, exist_ok=True)
+                    other_copy.write_bytes(sources[other][1])
                 extensions.append(Extension(name, [str(copy.relative_to(Path(tmp, "src")))]))
             # from inside the copies' root, Cython records each file as serving_integration/...py: a
             # traceback then shows the lines of the real file (on sys.path), which is that very source

@@ -52,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+import cython
 import numpy as np
 
 from serving_integration.simulator.cost_model import CostModel
@@ -113,9 +114,24 @@ def fewer_collections():
         gc.set_threshold(*before)
 
 
+@cython.locals(n=Node, on_gpu=cython.Py_ssize_t, matched=cython.Py_ssize_t)
 def matched_units_of(path: list[Node]) -> tuple[int, int]:
     """Prompt units a matched path covers on the GPU and in all (GPU nodes come first on a path)."""
-    return sum(len(n.units) for n in path if n.on_gpu), sum(len(n.units) for n in path)
+    on_gpu = matched = 0
+    for n in path:
+        matched += len(n.units)
+        if n.on_gpu:
+            on_gpu += len(n.units)
+    return on_gpu, matched
+
+
+@cython.locals(i=cython.Py_ssize_t, total=cython.Py_ssize_t)
+def tokens_between(lens: Sequence[int], start: int, stop: int) -> int:
+    """sum(lens[start:stop]) without the slice (the admission's hit counts)."""
+    total = 0
+    for i in range(start, min(stop, len(lens))):
+        total += lens[i]
+    return total
 
 
 @dataclass(eq=False)
@@ -316,6 +332,7 @@ class Server:
             self._prefetch(t - self.now, idle_workflows)
             self.now = t
 
+    @cython.locals(wf=SimWorkflow, request=Request)
     def receive(self, t: float, wf: SimWorkflow, idle_workflows: Iterable[str], issued: float | None = None) -> None:
         """wf's next call, issued at `issued` (default: t), arrives at t; an idle server prefetches
         through the idle time first. Its queue time runs from its issue."""
@@ -352,6 +369,7 @@ class Server:
 
     # ------------------------------------------------------------------ admission
 
+    @cython.locals(request=Request)
     def _admit(self) -> None:
         if self.config.scheduling in CACHE_AWARE and self.waiting and \
                 len(self.prefilling) + len(self.decoding) < self.config.max_running_requests:
@@ -406,6 +424,7 @@ class Server:
         order = sorted(range(len(waiting)), key=ranks.__getitem__)
         self.waiting = deque(waiting[i] for i in order)
 
+    @cython.locals(r=Request, call=SimCall, node=Node, prompt_tokens=cython.Py_ssize_t)
     def try_admit(self, r: Request) -> bool:
         call, tree = r.call, self.tree
         tree.refresh_ids(self.policy.on_time(self.now))  # continuum: expired pins
@@ -414,9 +433,13 @@ class Server:
         # hits are counted in the request's own token counts (a pruned request may need fewer
         # tokens of a unit than the cache holds); memory moves in the cache's counts
         on_gpu, matched = matched_units_of(path)
-        gpu_hit, host_hit = sum(call.lens[:on_gpu]), sum(call.lens[on_gpu:matched])
-        miss = call.prompt_tokens - gpu_hit - host_hit
-        need = sum(n.num_tokens for n in path if not n.on_gpu) + miss + call.output_tokens
+        gpu_hit, host_hit = tokens_between(call.lens, 0, on_gpu), tokens_between(call.lens, on_gpu, matched)
+        prompt_tokens = call.prompt_tokens
+        miss = prompt_tokens - gpu_hit - host_hit
+        need = miss + call.output_tokens
+        for node in path:
+            if not node.on_gpu:
+                need += node.num_tokens
         if path:
             tree.lock(path[-1])  # before evicting, so the request's own prefix stays
         if tree.gpu_free() + tree.gpu_evictable_tokens() < need:
@@ -445,29 +468,36 @@ class Server:
         r.gpu_hit = gpu_hit // page * page  # only whole pages are reused
         r.gpu_units = on_gpu
         r.host_hit = (gpu_hit + host_hit) // page * page - r.gpu_hit
-        r.miss = call.prompt_tokens - r.gpu_hit - r.host_hit
+        r.miss = prompt_tokens - r.gpu_hit - r.host_hit
         r.host_load = r.host_hit
         r.prefill_left = max(r.miss, 1)  # the last prompt token is always recomputed
-        r.context = call.prompt_tokens - r.prefill_left
-        self._count_admission(r, matched)
+        r.context = prompt_tokens - r.prefill_left
+        self._count_admission(r, matched, prompt_tokens)
         return True
 
+    @cython.locals(node=Node)
     def _evict(self, tokens: int) -> None:
         """An admission's eviction of at least `tokens` GPU tokens in policy order
         (RadixTree.evict_gpu), counted (a prefetch's are not: a vetoed one may free less than it
         asks, and then loads nothing)."""
-        evicted = self.tree.evict_gpu(tokens)
+        evicted_tokens = 0
+        for node in self.tree.evict_gpu(tokens):
+            evicted_tokens += node.num_tokens
         self.counters.eviction_requested_tokens += tokens
-        self.counters.evicted_gpu_tokens += sum(node.num_tokens for node in evicted)
+        self.counters.evicted_gpu_tokens += evicted_tokens
 
-    def _count_admission(self, r: Request, matched_units: int) -> None:
-        c = self.counters
-        c.prompt_tokens += r.call.prompt_tokens
+    @cython.locals(r=Request, call=SimCall, c=Counters, i=cython.Py_ssize_t, recomputed=cython.Py_ssize_t)
+    def _count_admission(self, r: Request, matched_units: int, prompt_tokens: int) -> None:
+        c, call, ever_cached = self.counters, r.call, self.ever_cached
+        c.prompt_tokens += prompt_tokens
         c.gpu_hit_tokens += r.gpu_hit
         c.host_hit_tokens += r.host_hit
         c.miss_tokens += r.miss
-        c.recomputed_tokens += sum(n for key, n in zip(r.call.keys[matched_units:], r.call.lens[matched_units:])
-                                   if key in self.ever_cached)
+        keys, lens, recomputed = call.keys, call.lens, 0
+        for i in range(matched_units, min(len(keys), len(lens))):
+            if keys[i] in ever_cached:
+                recomputed += lens[i]
+        c.recomputed_tokens += recomputed
 
     # ------------------------------------------------------------------ iterations
 
@@ -491,6 +521,7 @@ class Server:
             reserved += charge
         return (budget - reserved) // page * page if reserved else None
 
+    @cython.locals(r=Request)
     def _prefill_iteration(self) -> list[Request]:
         budget, seconds, loads = self.config.max_prefill_tokens, self.cost.step_overhead_s, 0
         limit = self._spf_chunk_limit(budget) if self.config.scheduling == "spf" else None
@@ -526,6 +557,7 @@ class Server:
         self.prefilling = still
         return finished
 
+    @cython.locals(r=Request)
     def _decode_iterations(self, next_event: float, idle_workflows: Iterable[str]) -> list[Request]:
         batch, kv, ends = len(self.decoding), self._decode_context, self._decode_ends
         steps = ends[0][0] - self._decoded  # the fewest tokens a request of the batch has left
@@ -550,6 +582,7 @@ class Server:
 
     # ------------------------------------------------------------------ finishing
 
+    @cython.locals(r=Request, wf=SimWorkflow, call=SimCall, node=Node, c=Counters)
     def finish(self, r: Request) -> None:
         """The cache side of a completed call: prompt + output inserted, the path unlocked."""
         wf, call, tree = r.wf, r.call, self.tree
@@ -562,7 +595,9 @@ class Server:
         tree.private_gpu -= r.private
         if r.last_node is not None:
             tree.unlock(r.last_node)
-        node_ids = [node.id for node in path]
+        node_ids = []
+        for node in path:
+            node_ids.append(node.id)
         if self.tracks_workflows:
             self.ledger.record_path(node_ids, wf.id, call.agent)
         if path:
@@ -825,6 +860,7 @@ class Simulator:
             else:
                 self._step(server, min(next_arrival, retire_at))
 
+    @cython.locals(wf=SimWorkflow)
     def _arrive(self) -> None:
         """The earliest issued call arrives: routed to a server, queued there."""
         t, _, wf, issued = heapq.heappop(self.arrivals)
@@ -853,6 +889,7 @@ class Simulator:
                 setattr(total, f.name, getattr(total, f.name) + getattr(s.counters, f.name))
         return total
 
+    @cython.locals(r=Request, wf=SimWorkflow)
     def _finish(self, r: Request) -> None:
         """A call completed on r.server: its cache side there, then the workflow's next call or its end."""
         server, wf = r.server, r.wf

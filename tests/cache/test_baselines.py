@@ -190,7 +190,7 @@ def test_kvflow_last_nodes_and_its_prefetch_round():
 
 
 @pytest.mark.parametrize("hicache_ratio", [2.0, 0.0])
-def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(monkeypatch, hicache_ratio):
+def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(hicache_ratio):
     """The simulator re-ranks only the nodes a step update names (not the whole tree): on a replay
     with the fork's prefetch, after every update that changes the order each evictable node's
     entry in the heaps holds the priority a rebuild of the whole tree would give it. (This replay
@@ -207,22 +207,25 @@ def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(monkeypatch, hic
     graph = AgentStepGraph.from_traces([[c.agent for c in w.calls] for w in workflows], 3)
     sim = Simulator(workflows, SimConfig(gpu_tokens=20_000, concurrency=8, hicache_ratio=hicache_ratio), H100,
                     policy="kvflow", predictions=graph, prefetch="kvflow")
-    rerank = RadixTree.reprioritize_ids
     seen = {"updates": 0, "named": 0}
 
-    def checked(self, node_ids):
-        node_ids = list(node_ids)
-        rerank(self, node_ids)
-        if not node_ids:
-            return
-        held = {seq: priority for priority, seq, _ in self._gpu_heap}
-        for node in self.nodes():
-            if self.gpu_evictable(node):
-                assert held[node._gpu_entry] == self.priority(node), f"{node}: a stale priority in the heap"
-        seen["updates"] += 1
-        seen["named"] += len(node_ids)
+    class CheckedTree(RadixTree):  # the tree is an extension type when compiled: checked in a subclass
+        def reprioritize_ids(self, node_ids):
+            node_ids = list(node_ids)
+            super().reprioritize_ids(node_ids)
+            if not node_ids:
+                return
+            held = {seq: priority for priority, seq, _ in self._gpu_heap}
+            for node in self.nodes():
+                if self.gpu_evictable(node):
+                    assert held[node._gpu_entry] == self.priority(node), f"{node}: a stale priority in the heap"
+            seen["updates"] += 1
+            seen["named"] += len(node_ids)
 
-    monkeypatch.setattr(RadixTree, "reprioritize_ids", checked)
+    server, empty = sim.servers[0], sim.servers[0].tree
+    server.tree = CheckedTree(empty.gpu_capacity, empty.host_capacity, priority=empty.priority,
+                              on_delete=empty.on_delete, on_split=empty.on_split, on_evict=empty.on_evict,
+                              partial_eviction=empty.partial_eviction)
     sim.run()
     assert seen["updates"] > 100 and seen["named"] > 0  # the replay re-ranked nodes
 

@@ -33,13 +33,22 @@ def test_the_hot_modules_run_from_their_builds_of_the_current_source():
     assert compiled.loaded() == list(compiled.MODULES)
 
 
-def test_an_edited_source_is_not_served_an_older_build():
+def test_an_edited_source_is_not_served_an_older_build(tmp_path, monkeypatch):
     name = "serving_integration.simulator.engine"
     source = compiled.source_file(name).read_bytes()
     assert compiled.compiled_path(name, source + b"\n# edited\n") is None
     declared = "serving_integration.simulator.radix"  # its build reads radix.pxd too, so its name does
     assert compiled.declarations(declared), "radix.pxd"
     assert compiled.compiled_path(declared, declared=compiled.declarations(declared) + b"\n# edited\n") is None
+    # engine.pxd cimports the workload's declarations: its build is of workload.py as it is now too
+    assert compiled.cimported(compiled.declarations(name)) == ["serving_integration.cache.workload",
+                                                                "serving_integration.simulator.radix"]
+    workload, source_file = "serving_integration.cache.workload", compiled.source_file
+    edited = tmp_path / "workload.py"
+    edited.write_bytes(source_file(workload).read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(compiled, "source_file", lambda module: edited if module == workload else source_file(module))
+    assert compiled.compiled_path(name) is None
+    monkeypatch.undo()
     finder = compiled.CompiledFinder()
     assert finder.find_spec("serving_integration.simulator.config") is None  # not a compiled module
     if not INTERPRETED:
@@ -50,16 +59,20 @@ def test_an_edited_source_is_not_served_an_older_build():
 def test_the_declared_classes_are_extension_types_in_the_builds():
     """The .pxd declarations took effect: a declared field is the extension type's own (a getset
     descriptor), not a __slots__ member, and an undeclared one cannot be set."""
-    from serving_integration.cache import trust
+    from serving_integration.cache import trust, workload
     from serving_integration.simulator import engine, radix
 
     for cls, field in ((radix.Node, "lock_ref"), (trust.ShadowEntry, "stamp"), (trust.TimeShadowEntry, "queued"),
                        (trust.ShadowCache, "used"), (trust.LruShadowCache, "live"),
                        (trust.OutcomeTrust, "entries"), (trust.TimeOutcomeTrust, "queued_keys"),
-                       (engine.Server, "waiting")):
+                       (engine.Server, "waiting"), (engine.Request, "prefill_left"), (engine.Counters, "ttfts"),
+                       (radix.RadixTree, "gpu_used"), (workload.SimCall, "lens"), (workload.SimWorkflow, "next_call")):
         assert isinstance(getattr(cls, field), types.GetSetDescriptorType), f"{cls.__name__}.{field}"
     with pytest.raises(AttributeError):
         radix.Node(1, None, (7,), (3,)).undeclared = 1
+    call = workload.SimCall("coder", (1,), (3,), (5,), "out", 2, 0.0, None)
+    with pytest.raises(AttributeError):  # a call stays frozen as an extension type
+        call.agent = "tester"
 
 
 @pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: nothing compiled to compare")
