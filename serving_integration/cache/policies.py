@@ -51,6 +51,7 @@ import operator
 from functools import reduce
 from typing import Callable, ClassVar, Iterable, NamedTuple, Protocol, Sequence
 
+import cython
 import numpy as np
 import torch
 
@@ -159,6 +160,7 @@ class WorkflowLedger:
     def record_access(self, node_id: int, workflow: str, agent: str) -> None:
         self.record_path((node_id,), workflow, agent)
 
+    @cython.locals(rows=_WorkflowRows)
     def record_path(self, node_ids: Iterable[int], workflow: str, agent: str) -> None:
         """A call of `agent` in `workflow` read (or wrote) these nodes."""
         nodes = self.nodes_of.get(workflow)
@@ -190,6 +192,7 @@ class WorkflowLedger:
                 else:
                     self._score[node_id] = part
 
+    @cython.locals(rows=_WorkflowRows)
     def _share(self, node_id: int, owners: dict) -> None:
         """The node has a second (or later) user: its parts are kept per user from now on."""
         parts = self._parts.get(node_id)
@@ -232,6 +235,7 @@ class WorkflowLedger:
             table.pop(workflow, None)
         return nodes
 
+    @cython.locals(rows=_WorkflowRows)
     def split(self, prefix_id: int, suffix_id: int) -> None:
         """A node split: the new prefix node was used by everyone who used the old node."""
         owners = self.users.get(suffix_id)
@@ -266,11 +270,16 @@ class WorkflowLedger:
         assert value is not None, "a row's part is read only once its workflow has a prediction"
         return sum(value[c] for c in rows.agents[r] if 0 <= c < len(value) - 1)
 
+    @cython.locals(total=cython.double, part=cython.double)
     def _rescore(self, node_id: int) -> None:
         """Score(c) = sum over the node's users, first user first, of their parts (left to right,
         as a loop adds them; a workflow without predictions adds 0)."""
-        self._score[node_id] = reduce(operator.add, self._parts[node_id].values(), 0.0)
+        total = 0.0
+        for part in self._parts[node_id].values():
+            total += part
+        self._score[node_id] = total
 
+    @cython.locals(rows=_WorkflowRows)
     def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: list[float]) -> list[int]:
         """A workflow's new v_w (by column, a 0 appended for the padding, which -1 reads): every
         row's part, the scores of nodes only it used set from them; returns the nodes whose score

@@ -59,14 +59,15 @@ def test_an_edited_source_is_not_served_an_older_build(tmp_path, monkeypatch):
 def test_the_declared_classes_are_extension_types_in_the_builds():
     """The .pxd declarations took effect: a declared field is the extension type's own (a getset
     descriptor), not a __slots__ member, and an undeclared one cannot be set."""
-    from serving_integration.cache import trust, workload
+    from serving_integration.cache import policies, trust, workload
     from serving_integration.simulator import engine, radix
 
     for cls, field in ((radix.Node, "lock_ref"), (trust.ShadowEntry, "stamp"), (trust.TimeShadowEntry, "queued"),
                        (trust.ShadowCache, "used"), (trust.LruShadowCache, "live"),
                        (trust.OutcomeTrust, "entries"), (trust.TimeOutcomeTrust, "queued_keys"),
                        (engine.Server, "waiting"), (engine.Request, "prefill_left"), (engine.Counters, "ttfts"),
-                       (radix.RadixTree, "gpu_used"), (workload.SimCall, "lens"), (workload.SimWorkflow, "next_call")):
+                       (radix.RadixTree, "gpu_used"), (workload.SimCall, "lens"), (workload.SimWorkflow, "next_call"),
+                       (policies.WorkflowLedger, "users"), (policies._WorkflowRows, "part")):
         assert isinstance(getattr(cls, field), types.GetSetDescriptorType), f"{cls.__name__}.{field}"
     with pytest.raises(AttributeError):
         radix.Node(1, None, (7,), (3,)).undeclared = 1
