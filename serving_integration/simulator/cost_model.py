@@ -48,28 +48,30 @@ class CostModel:
 
     def __post_init__(self):
         check(self)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params * self.dtype_bytes
+        # the formulas' constant factors, computed once (a replay calls them a few times per call),
+        # each the very product the formula computed inline, so every time is the same float
+        for name, value in (("kv_bytes_per_token", 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes),
+                            ("weight_bytes", self.params * self.dtype_bytes),
+                            ("_attention_factor", 4 * self.layers * self.q_heads * self.head_dim),
+                            ("_two_params", 2 * self.params),
+                            ("_prefill_flops", self.peak_flops * self.mfu),
+                            ("_decode_bandwidth", self.mem_bandwidth * self.bandwidth_efficiency),
+                            ("_pcie_rate", self.pcie_bandwidth * self.pcie_efficiency)):
+            object.__setattr__(self, name, value)  # frozen: not fields, so not part of the schema
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         if new_tokens <= 0:
             return 0.0
-        attention = 4 * self.layers * self.q_heads * self.head_dim * (cached_tokens + new_tokens / 2)
-        return new_tokens * (2 * self.params + attention) / (self.peak_flops * self.mfu)
+        attention = self._attention_factor * (cached_tokens + new_tokens / 2)
+        return new_tokens * (self._two_params + attention) / self._prefill_flops
 
     def decode_step_s(self, batch: int, kv_tokens: float) -> float:
-        memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (self.mem_bandwidth * self.bandwidth_efficiency)
-        compute = batch * 2 * self.params / (self.peak_flops * self.mfu)
+        memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / self._decode_bandwidth
+        compute = batch * 2 * self.params / self._prefill_flops
         return self.step_overhead_s + max(memory, compute)
 
     def pcie_s(self, tokens: float) -> float:
-        return tokens * self.kv_bytes_per_token / (self.pcie_bandwidth * self.pcie_efficiency)
+        return tokens * self.kv_bytes_per_token / self._pcie_rate
 
     @property
     def pcie_tokens_per_s(self) -> float:
