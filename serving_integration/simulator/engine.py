@@ -127,7 +127,7 @@ def matched_units_of(path: list[Node]) -> tuple[int, int]:
 
 @cython.locals(i=cython.Py_ssize_t, total=cython.Py_ssize_t)
 def tokens_between(lens: Sequence[int], start: int, stop: int) -> int:
-    """sum(lens[start:stop]) without the slice (the admission's hit counts)."""
+    """sum(lens[start:stop]) without the slice: the tokens of a prompt's units start..stop-1."""
     total = 0
     for i in range(start, min(stop, len(lens))):
         total += lens[i]
@@ -407,9 +407,9 @@ class Server:
             call = r.call
             on_gpu_units, matched_units = matched_units_of(tree.match(call.units, call.lens))
             # SGLang's cap: the last prompt token is always prefilled
-            matched = min(sum(call.lens[:matched_units]), call.prompt_tokens - 1)
+            matched = min(tokens_between(call.lens, 0, matched_units), call.prompt_tokens - 1)
             deprioritized = False
-            if sum(call.lens[:on_gpu_units]) <= LPM_IN_BATCH_TOKENS:
+            if tokens_between(call.lens, 0, on_gpu_units) <= LPM_IN_BATCH_TOKENS:
                 deprioritized = prefix_tokens_in(call.keys, call.lens, in_batch) >= LPM_IN_BATCH_TOKENS
                 if not deprioritized:
                     in_batch.update(call.keys)
