@@ -29,6 +29,7 @@ from data.knobs import build as build_knobs, check, knob, register, shown as sho
 from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
 from serving_integration.experiments.rows import ROW_LABELS, SETTING, merge_seed_splits, setting_of
+from serving_integration.experiments.shadow_fidelity import shadow_fidelity
 from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, sort_key, split_of,
                                                      tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
@@ -97,6 +98,15 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[Path]]:
 # the setting keys a heading names in words (workload first); split, workflows and calls are said elsewhere
 WORDED = ("workload", "gpu_tokens", "concurrency", "horizon", "gamma", "end_signal_loss", "replicas", "routing",
           "cost_model", "hicache_ratio", "scheduling", "partial_eviction")
+
+
+ROBUST_SHOWN = ("workload", "gpu_tokens", "hicache_ratio", "partial_eviction")  # the robust tables' setting columns
+
+
+def other_varying(robust: list[tuple]) -> list[str]:
+    """The worded setting keys besides ROBUST_SHOWN that differ between robustness_rows' settings: a
+    column of the robust tables where a run set varies one (the end-signal step's lost signals)."""
+    return [k for k in varying_keys([row[0] for row in robust]) if k not in ROBUST_SHOWN]
 
 
 def varying_keys(keys: list[tuple]) -> list[str]:
@@ -563,13 +573,16 @@ def robustness_check(rows) -> str:
     gain over LRU it keeps, per seed and of the mean gain; each against its criterion (trust_verdict)."""
     # (policy, mode) -> [rows meeting both criteria, rows meeting them with the share in every seed, rows]
     body, met = [], {(policy, mode): [0, 0, 0] for policy in TRUSTING for mode in JUDGED}
-    for key, policy, pred, noise, kind, lru, lae, modes in robustness_rows(rows):
+    robust = robustness_rows(rows)
+    others = other_varying(robust)
+    for key, policy, pred, noise, kind, lru, lae, modes in robust:
         at = dict(zip(SETTING, key))
         l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
         wins = always_wins(l, w)
         seeds = modes["always"].get("seeds") or [modes["always"].get("seed")]
         cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")),
-                 "partial" if at.get("partial_eviction") else "whole-node", policy, pred,
+                 "partial" if at.get("partial_eviction") else "whole-node",
+                 *([", ".join(in_words(k, at.get(k)) for k in others)] if others else []), policy, pred,
                  "none" if not noise else f"{kind} eps={noise:g}", ", ".join(str(x) for x in seeds),
                  " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
                  " / ".join(f"{x:.1%}" for x in w)]
@@ -592,8 +605,8 @@ def robustness_check(rows) -> str:
     if not body:
         return ("No setting with lru, pbkv_lae, and pbkv or pbkv_time under always and under outcome or accuracy "
                 "trust in these runs.")
-    head = ["workload", "GPU tokens", "host tier", "eviction", "policy", "predictor", "noise", "seeds", "lru",
-            "pbkv_lae", "always"]
+    head = ["workload", "GPU tokens", "host tier", "eviction", *(["setting"] if others else []), "policy",
+            "predictor", "noise", "seeds", "lru", "pbkv_lae", "always"]
     for mode in JUDGED:
         head += [mode, f"{mode} - max(lru, pbkv_lae) (points)", f"{mode}'s share of always's gain",
                  f"{mode}: criteria met"]
@@ -632,7 +645,10 @@ def robust_section(rows) -> str:
     """The per-seed robustness check and the predictors' top-1 beside Markov; "" without such rows."""
     if not robustness_rows(rows) and not any(r.get("predictor_top1_k1") is not None for r in rows):
         return ""
-    return "\n\n".join([ROBUST_NOTE, robustness_check(rows), predictor_check(rows)])
+    robust = robustness_rows(rows)
+    fidelity = shadow_fidelity(robust, other_varying(robust))
+    parts = [ROBUST_NOTE, robustness_check(rows), predictor_check(rows)]
+    return "\n\n".join(parts + (["### Outcome trust's shadows against the real replays", fidelity] if fidelity else []))
 
 
 ROBUST_NOTE = (

@@ -135,6 +135,51 @@ def test_robustness_check_is_per_seed_against_its_criteria():
     assert "+0.050 / -0.050 / +0.100" in top1 and "**no**" in top1
 
 
+def test_shadow_fidelity_sets_the_shadows_lead_against_the_real_replays():
+    """Outcome's shadows put the score order 1 point ahead in every seed. Seed 0: the real lead is +2
+    (the right order ahead); seed 1: -2, the shadows' lead 3 points off and the wrong order ahead; seed
+    2 switched (*), left out of the tally."""
+    from serving_integration.experiments.report import robustness_rows
+    from serving_integration.experiments.shadow_fidelity import shadow_fidelity
+
+    outcome = robust_row("pbkv", [0.30, 0.28, 0.29], "outcome", "graphsage")
+    outcome.update(shadow_hit_rate_pbkv_per_seed=[0.31, 0.31, 0.31], shadow_hit_rate_lae_per_seed=[0.30, 0.30, 0.30],
+                   shadow_hit_rate_pbkv=0.31, trust_switches_per_seed=[0, 0, 2])
+    rows = [robust_row("lru", [0.27, 0.27, 0.27]), robust_row("pbkv_lae", [0.28, 0.30, 0.29]), outcome,
+            robust_row("pbkv", [0.30, 0.28, 0.29], "always", "graphsage")]
+    text = shadow_fidelity(robustness_rows(rows))
+    cells = cells_of(text, "| graphsage |")
+    assert cells[8:] == ["+1.0 / +3.0 / +2.0*", "+2.0 / +0.0 / +1.0*", "-1.0 / +3.0 / +1.0*", "+2.0 / -2.0 / +0.0",
+                         "yes / **no** / yes"]
+    assert "Over the 2 seeds that never switched (of 3), the shadows' lead was within 1 point of the real lead in 1;" in text
+    assert "the wrong order ahead, by more than 1 point of real lead, in 1 of them: hover 300000" in text
+    assert "seed 1 (real lead -2.0)" in text
+    # without shadow rates (runs made before outcome trust reported them) there is no table
+    del outcome["shadow_hit_rate_pbkv"]
+    assert shadow_fidelity(robustness_rows(rows)) == ""
+
+
+def test_robust_tables_name_a_setting_that_varies_beyond_their_columns():
+    """The end-signal step's settings differ only in the share of end signals lost: a column says which."""
+    from serving_integration.experiments.report import other_varying, robustness_check, robustness_rows
+    from serving_integration.experiments.shadow_fidelity import shadow_fidelity
+
+    rows = []
+    for lost in (0.0, 0.2):
+        outcome = robust_row("pbkv", [0.30, 0.30, 0.30], "outcome", "graphsage")
+        outcome.update(shadow_hit_rate_pbkv_per_seed=[0.31] * 3, shadow_hit_rate_lae_per_seed=[0.30] * 3,
+                       shadow_hit_rate_pbkv=0.31, trust_switches_per_seed=[0] * 3)
+        rows += [{**r, "end_signal_loss": lost} for r in (
+            robust_row("lru", [0.27] * 3), robust_row("pbkv_lae", [0.28] * 3), outcome,
+            robust_row("pbkv", [0.30] * 3, "always", "graphsage"))]
+    robust = robustness_rows(rows)
+    assert other_varying(robust) == ["end_signal_loss"]
+    for table in (robustness_check(rows), shadow_fidelity(robust, other_varying(robust))):
+        assert "| eviction | setting | policy |" in table
+        assert cells_of(table, "20% of end signals lost")[4] == "20% of end signals lost"
+        assert cells_of(table, "0% of end signals lost |")[4] == "0% of end signals lost"
+
+
 def test_the_share_of_always_gain_is_checked_only_where_always_wins_beyond_its_interval():
     from serving_integration.experiments.report import robustness_check
 
