@@ -81,10 +81,10 @@ def shadow_fidelity(robust: list[tuple], others: list[str] = ()) -> str:
     wrong = [(where, seed, x) for where, seed, x in steady if not x[5]]
     worst = sorted(steady, key=lambda t: -abs(t[2][3]))[:3]
     if not steady:
-        text = f"Every one of the {len(tally)} seeds switched order at least once."
+        text = f"Every one of the {len(tally)} replays (one per row and seed) switched order at least once."
     else:
-        text = (f"Over the {len(steady)} seeds that never switched (of {len(tally)}), the shadows' lead was within 1 "
-                f"point of the real lead in {close}; the largest errors: "
+        text = (f"Over the {len(steady)} replays (one per row and seed) that never switched (of {len(tally)}), the "
+                f"shadows' lead was within 1 point of the real lead in {close}; the largest errors: "
                 + "; ".join(f"{where}, seed {seed}: {100 * x[3]:+.1f}" for where, seed, x in worst) + ". "
                 + (f"The shadows put the wrong order ahead, by more than 1 point of real lead, in {len(wrong)} of them: "
                    + "; ".join(f"{where}, seed {seed} (real lead {100 * x[4]:+.1f})" for where, seed, x in wrong) + "."

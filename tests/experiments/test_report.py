@@ -151,7 +151,8 @@ def test_shadow_fidelity_sets_the_shadows_lead_against_the_real_replays():
     cells = cells_of(text, "| graphsage |")
     assert cells[8:] == ["+1.0 / +3.0 / +2.0*", "+2.0 / +0.0 / +1.0*", "-1.0 / +3.0 / +1.0*", "+2.0 / -2.0 / +0.0",
                          "yes / **no** / yes"]
-    assert "Over the 2 seeds that never switched (of 3), the shadows' lead was within 1 point of the real lead in 1;" in text
+    assert ("Over the 2 replays (one per row and seed) that never switched (of 3), the shadows' lead was within 1 point "
+            "of the real lead in 1;") in text
     assert "the wrong order ahead, by more than 1 point of real lead, in 1 of them: hover 300000" in text
     assert "seed 1 (real lead -2.0)" in text
     # without shadow rates (runs made before outcome trust reported them) there is no table
