@@ -15,9 +15,9 @@ the .py only ever stores one), so the numbers stay the same. At import, `Compile
 the extension whose digest is that of the .py (and .pxd) file now: an edited module runs
 interpreted until the next build, never a stale build. A .pxd may cimport another module's
 declarations (the engine reads the tree's nodes, the workload's calls as C structs): the build's
-name then covers that module's current digest too, so editing it sends both back to the
-interpreter until the next build. PBKV_COMPILED=0 turns both the build
-and the hook off (to profile the Python with cProfile or py-spy, which do not see into the
+name then covers that module's current source and declarations too (and theirs, transitively),
+so editing it sends both back to the interpreter until the next build. PBKV_COMPILED=0 turns
+both the build and the hook off (to profile the Python with cProfile or py-spy, which do not see into the
 extensions, or to compare the two).
 """
 
@@ -87,20 +87,22 @@ def cimported(declared: bytes) -> list[str]:
 
 def digest(source: bytes, declared: bytes = b"") -> str:
     """Names a build: the source's bytes, its declarations', the directives it was compiled with,
-    and the current digests of the modules its declarations cimport (edit one of those and this
-    module too runs interpreted until rebuilt, never against an older layout)."""
+    and the current sources and declarations of every module its declarations cimport, directly or
+    through others (edit one of those and this module too runs interpreted until rebuilt, never
+    against an older layout). Read as a set, so a cimport cycle ends."""
     h = hashlib.blake2b(digest_size=10)
     h.update(repr(sorted(DIRECTIVES.items())).encode() + b"\x00" + source)
     if declared:
         h.update(b"\x00pxd\x00" + declared)
-    for name in cimported(declared):
-        h.update(b"\x00cimport\x00" + name.encode() + b"=" + current_digest(name).encode())
+    for name in sorted(reached(cimported(declared))):
+        h.update(b"\x00cimport\x00" + name.encode() + b"\x00" + source_file(name).read_bytes()
+                 + b"\x00pxd\x00" + declarations(name))
     return h.hexdigest()
 
 
-def upstream(name: str) -> list[str]:
-    """Every module whose declarations `name`'s build reads: those it cimports, theirs, and so on."""
-    found, todo = [], cimported(declarations(name))
+def reached(names: list[str]) -> list[str]:
+    """`names` and every module their declarations cimport, theirs, and so on (each once)."""
+    found, todo = [], list(names)
     while todo:
         other = todo.pop()
         if other not in found:
@@ -109,8 +111,9 @@ def upstream(name: str) -> list[str]:
     return found
 
 
-def current_digest(name: str) -> str:
-    return digest(source_file(name).read_bytes(), declarations(name))
+def upstream(name: str) -> list[str]:
+    """Every module whose declarations `name`'s build reads: those it cimports, theirs, and so on."""
+    return reached(cimported(declarations(name)))
 
 
 def build_file(name: str, source: bytes, declared: bytes = b"") -> Path:

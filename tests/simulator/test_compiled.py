@@ -55,6 +55,23 @@ def test_an_edited_source_is_not_served_an_older_build(tmp_path, monkeypatch):
         assert finder.find_spec(name).origin == str(compiled.compiled_path(name))
 
 
+def test_a_cimport_cycle_names_a_build_and_an_edit_anywhere_in_it_renames_it(tmp_path, monkeypatch):
+    """Declarations that cimport each other (radix's cimporting the engine's, which cimport radix's):
+    the digest reads each module once and ends; an edited module anywhere in the cycle renames the
+    builds of both."""
+    engine, radix = "serving_integration.simulator.engine", "serving_integration.simulator.radix"
+    declarations, source_file = compiled.declarations, compiled.source_file
+    cycle = lambda module: declarations(module) + (f"\nfrom {engine} cimport Server\n".encode() if module == radix else b"")
+    monkeypatch.setattr(compiled, "declarations", cycle)
+    assert engine in compiled.upstream(radix) and radix in compiled.upstream(engine)
+    before = {name: compiled.digest(source_file(name).read_bytes(), cycle(name)) for name in (engine, radix)}
+    edited = tmp_path / "engine.py"
+    edited.write_bytes(source_file(engine).read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(compiled, "source_file", lambda module: edited if module == engine else source_file(module))
+    assert compiled.digest(source_file(radix).read_bytes(), cycle(radix)) != before[radix]
+    assert compiled.digest(edited.read_bytes(), cycle(engine)) != before[engine]
+
+
 @pytest.mark.skipif(INTERPRETED, reason=f"{compiled.SWITCH}=0: the modules run interpreted")
 def test_the_declared_classes_are_extension_types_in_the_builds():
     """The .pxd declarations took effect: a declared field is the extension type's own (a getset
