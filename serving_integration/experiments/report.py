@@ -30,8 +30,8 @@ from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
 from serving_integration.experiments.rows import ROW_LABELS, SETTING, merge_seed_splits, setting_of
 from serving_integration.experiments.shadow_fidelity import shadow_fidelity
-from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, sort_key, split_of,
-                                                     tokens_text)
+from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, robust_setting_cells,
+                                                     sort_key, split_of, tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
                                                      per_seed, seeds_of, shown, workflow_bootstrap)
 
@@ -580,9 +580,7 @@ def robustness_check(rows) -> str:
         l, e, w = (per_seed(r, "hit_rate") for r in (lru, lae, modes["always"]))
         wins = always_wins(l, w)
         seeds = modes["always"].get("seeds") or [modes["always"].get("seed")]
-        cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")),
-                 "partial" if at.get("partial_eviction") else "whole-node",
-                 *([", ".join(in_words(k, at.get(k)) for k in others)] if others else []), policy, pred,
+        cells = [*robust_setting_cells(at, others), policy, pred,
                  "none" if not noise else f"{kind} eps={noise:g}", ", ".join(str(x) for x in seeds),
                  " / ".join(f"{x:.1%}" for x in l), " / ".join(f"{x:.1%}" for x in e),
                  " / ".join(f"{x:.1%}" for x in w)]
@@ -643,9 +641,9 @@ def predictor_check(rows) -> str:
 
 def robust_section(rows) -> str:
     """The per-seed robustness check and the predictors' top-1 beside Markov; "" without such rows."""
-    if not robustness_rows(rows) and not any(r.get("predictor_top1_k1") is not None for r in rows):
-        return ""
     robust = robustness_rows(rows)
+    if not robust and not any(r.get("predictor_top1_k1") is not None for r in rows):
+        return ""
     fidelity = shadow_fidelity(robust, other_varying(robust))
     parts = [ROBUST_NOTE, robustness_check(rows), predictor_check(rows)]
     return "\n\n".join(parts + (["### Outcome trust's shadows against the real replays", fidelity] if fidelity else []))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from serving_integration.experiments.rows import SETTING
 from serving_integration.experiments.statistics import per_seed
-from serving_integration.experiments.tables import in_words, md_table
+from serving_integration.experiments.tables import md_table, robust_setting_cells
 
 TOLERANCE = 0.01  # a real lead this small is no wrong order (the robust check's 1 point)
 
@@ -64,16 +64,12 @@ def shadow_fidelity(robust: list[tuple], others: list[str] = ()) -> str:
         if found is None:
             continue
         cells, seeds = found
-        at = dict(zip(SETTING, key))
-        other = ", ".join(in_words(k, at.get(k)) for k in others)
-        where = (f"{at['workload']} {at['gpu_tokens']}, {in_words('hicache_ratio', at.get('hicache_ratio'))}, "
-                 f"{'partial' if at.get('partial_eviction') else 'whole-node'}, {other + ', ' if other else ''}{policy} "
-                 f"({pred}{'' if not noise else f', {kind} eps={noise:g}'})")
+        setting = robust_setting_cells(dict(zip(SETTING, key)), others)
+        where = f"{', '.join(setting)}, {policy} ({pred}{'' if not noise else f', {kind} eps={noise:g}'})"
         ids = modes["outcome"].get("seeds") or [modes["outcome"].get("seed")]
         tally += [(where, seed, x) for seed, x in zip(ids, seeds)]
-        body.append([at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")),
-                     "partial" if at.get("partial_eviction") else "whole-node", *([other] if others else []), policy, pred,
-                     "none" if not noise else f"{kind} eps={noise:g}", ", ".join(str(s) for s in ids), *cells])
+        body.append([*setting, policy, pred, "none" if not noise else f"{kind} eps={noise:g}",
+                     ", ".join(str(s) for s in ids), *cells])
     if not body:
         return ""
     steady = [(where, seed, x) for where, seed, x in tally if x[0]]

@@ -55,5 +55,13 @@ def sort_key(values) -> tuple:
     return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
 
 
+def robust_setting_cells(at: dict, others: tuple | list = ()) -> list[str]:
+    """A robust table's setting columns for the setting `at` (SETTING key -> value): workload, GPU
+    tokens, host tier, eviction unit, and `others` (keys varying beside those) in words, one cell."""
+    cells = [at["workload"], str(at["gpu_tokens"]), in_words("hicache_ratio", at.get("hicache_ratio")),
+             "partial" if at.get("partial_eviction") else "whole-node"]
+    return cells + ([", ".join(in_words(k, at.get(k)) for k in others)] if others else [])
+
+
 def split_of(r: dict) -> str:
     return r.get("split") or "test"

@@ -153,7 +153,7 @@ def test_shadow_fidelity_sets_the_shadows_lead_against_the_real_replays():
                          "yes / **no** / yes"]
     assert ("Over the 2 replays (one per row and seed) that never switched (of 3), the shadows' lead was within 1 point "
             "of the real lead in 1;") in text
-    assert "the wrong order ahead, by more than 1 point of real lead, in 1 of them: hover 300000" in text
+    assert "the wrong order ahead, by more than 1 point of real lead, in 1 of them: hover, 300000" in text
     assert "seed 1 (real lead -2.0)" in text
     # without shadow rates (runs made before outcome trust reported them) there is no table
     del outcome["shadow_hit_rate_pbkv"]
