@@ -20,7 +20,7 @@ from serving_integration.experiments.tables import md_table, robust_setting_cell
 TOLERANCE = 0.01  # a real lead this small is no wrong order (the robust check's 1 point)
 
 NOTE = (
-    "Per seed (values separated by /), for each row of the table above with outcome trust: its score order's "
+    "Per seed (values separated by /), for each row of the trust modes' table above with outcome trust: its score order's "
     "shadow hit rate less the real hit rate of the same policy under always trust (its own order throughout), "
     "its lifecycle-aware LRU shadow's less pbkv_lae's real one, and the shadows' lead (score shadow less LRU "
     "shadow, over the whole replay; the judge compares it over a moving window and since its last switch) less "
