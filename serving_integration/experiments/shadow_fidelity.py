@@ -20,8 +20,8 @@ from serving_integration.experiments.tables import md_table, robust_setting_cell
 TOLERANCE = 0.01  # a real lead this small is no wrong order (the robust check's 1 point)
 
 NOTE = (
-    "Per seed (values separated by /), for each row of the trust modes' table above with outcome trust: its score order's "
-    "shadow hit rate less the real hit rate of the same policy under always trust (its own order throughout), "
+    "Per seed (values separated by /), for each row of the trust modes' table above with outcome trust: its "
+    "score order's shadow hit rate less the real hit rate of the same policy under always trust (its own order throughout), "
     "its lifecycle-aware LRU shadow's less pbkv_lae's real one, and the shadows' lead (score shadow less LRU "
     "shadow, over the whole replay; the judge compares it over a moving window and since its last switch) less "
     "the real lead (always less pbkv_lae), in points; then the real lead, and whether the shadows put the right "
@@ -79,13 +79,14 @@ def shadow_fidelity(robust: list[tuple], others: list[str] = ()) -> str:
     if not steady:
         text = f"Every one of the {len(tally)} replays (one per row and seed) switched order at least once."
     else:
+        errors = "; ".join(f"{where}, seed {seed}: {100 * x[3]:+.1f}" for where, seed, x in worst)
+        misses = "; ".join(f"{where}, seed {seed} (real lead {100 * x[4]:+.1f})" for where, seed, x in wrong)
         text = (f"Over the {len(steady)} replays (one per row and seed) that never switched (of {len(tally)}), the "
-                f"shadows' lead was within 1 point of the real lead in {close}; the largest errors: "
-                + "; ".join(f"{where}, seed {seed}: {100 * x[3]:+.1f}" for where, seed, x in worst) + ". "
+                f"shadows' lead was within 1 point of the real lead in {close}; the largest errors: {errors}. "
                 + (f"The shadows put the wrong order ahead, by more than 1 point of real lead, in {len(wrong)} of them: "
-                   + "; ".join(f"{where}, seed {seed} (real lead {100 * x[4]:+.1f})" for where, seed, x in wrong) + "."
-                   if wrong else "The shadows never put the wrong order ahead by more than 1 point of real lead in them."))
+                   f"{misses}." if wrong
+                   else "The shadows never put the wrong order ahead by more than 1 point of real lead in them."))
     head = ["workload", "GPU tokens", "host tier", "eviction", *(["setting"] if others else []), "policy", "predictor",
-            "noise", "seeds", "score shadow - always (points)", "LRU shadow - pbkv_lae (points)", "shadows' lead - real lead (points)",
-            "real lead: always - pbkv_lae (points)", "shadows' order right"]
+            "noise", "seeds", "score shadow - always (points)", "LRU shadow - pbkv_lae (points)",
+            "shadows' lead - real lead (points)", "real lead: always - pbkv_lae (points)", "shadows' order right"]
     return "\n\n".join([NOTE, text, md_table(head, body)])

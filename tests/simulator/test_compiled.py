@@ -61,7 +61,10 @@ def test_a_cimport_cycle_names_a_build_and_an_edit_anywhere_in_it_renames_it(tmp
     builds of both."""
     engine, radix = "serving_integration.simulator.engine", "serving_integration.simulator.radix"
     declarations, source_file = compiled.declarations, compiled.source_file
-    cycle = lambda module: declarations(module) + (f"\nfrom {engine} cimport Server\n".encode() if module == radix else b"")
+
+    def cycle(module: str) -> bytes:
+        return declarations(module) + (f"\nfrom {engine} cimport Server\n".encode() if module == radix else b"")
+
     monkeypatch.setattr(compiled, "declarations", cycle)
     assert engine in compiled.upstream(radix) and radix in compiled.upstream(engine)
     before = {name: compiled.digest(source_file(name).read_bytes(), cycle(name)) for name in (engine, radix)}
