@@ -30,8 +30,8 @@ from serving_integration.cache.metrics import TIME_SPLIT
 from serving_integration.experiments.presentation import OWN_PREFETCH, row_label as label
 from serving_integration.experiments.rows import ROW_LABELS, SETTING, merge_seed_splits, setting_of
 from serving_integration.experiments.shadow_fidelity import shadow_fidelity
-from serving_integration.experiments.tables import (SETTING_WORDS, fmt, in_words, is_main, md_table, robust_setting_cells,
-                                                     sort_key, split_of, tokens_text)
+from serving_integration.experiments.tables import (ROBUST_TOLERANCE, SETTING_WORDS, fmt, in_words, is_main, md_table,
+                                                     robust_setting_cells, sort_key, split_of, tokens_text)
 from serving_integration.experiments.statistics import (Estimate, mean_ci, over_seeds, paired_differences, paired_ratios,
                                                      per_seed, seeds_of, shown, workflow_bootstrap)
 
@@ -514,7 +514,6 @@ def regret_fit(rows) -> tuple[str, list]:
 
 # -------------------------------------------------------------------- robust PBKV: the trust modes, per seed
 
-ROBUST_TOLERANCE = 0.01  # a trust mode may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
 ROBUST_KEEP = 0.95  # and keep this share of always's gain over LRU wherever always wins by more than its interval
 JUDGED = ("outcome", "accuracy")  # the trust modes checked against lru, pbkv_lae and always (cache/trust.py)
 TRUSTING = ("pbkv", "pbkv_time")  # the policies with trust modes (policies._JudgedPolicy)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from serving_integration.experiments.rows import SETTING
 from serving_integration.experiments.statistics import per_seed
-from serving_integration.experiments.tables import md_table, robust_setting_cells
-
-TOLERANCE = 0.01  # a real lead this small is no wrong order (the robust check's 1 point)
+from serving_integration.experiments.tables import ROBUST_TOLERANCE, md_table, robust_setting_cells
 
 NOTE = (
     "Per seed (values separated by /), for each row of the trust modes' table above with outcome trust: its "
@@ -40,7 +38,8 @@ def fidelity_cells(lae: dict, outcome: dict, always: dict) -> tuple[list[str], l
     seeds = []
     for s, l, rs, rl, n in zip(score, lru, real_score, real_lae, switches):
         real_lead, lead_error = rs - rl, (s - l) - (rs - rl)
-        right = abs(real_lead) <= TOLERANCE or (s - l >= 0) == (real_lead >= 0)
+        # a real lead within the robust check's tolerance is no wrong order
+        right = abs(real_lead) <= ROBUST_TOLERANCE or (s - l >= 0) == (real_lead >= 0)
         seeds.append((n == 0, s - rs, l - rl, lead_error, real_lead, right))
 
     def joined(i: int) -> str:
@@ -73,7 +72,7 @@ def shadow_fidelity(robust: list[tuple], others: list[str] = ()) -> str:
     if not body:
         return ""
     steady = [(where, seed, x) for where, seed, x in tally if x[0]]
-    close = sum(abs(x[3]) <= TOLERANCE for _, _, x in steady)
+    close = sum(abs(x[3]) <= ROBUST_TOLERANCE for _, _, x in steady)
     wrong = [(where, seed, x) for where, seed, x in steady if not x[5]]
     worst = sorted(steady, key=lambda t: -abs(t[2][3]))[:3]
     if not steady:

@@ -55,6 +55,9 @@ def sort_key(values) -> tuple:
     return tuple((0, "") if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in values)
 
 
+ROBUST_TOLERANCE = 0.01  # a trust mode may lose at most 1 point of hit rate to the better of LRU and pbkv_lae
+
+
 def robust_setting_cells(at: dict, others: tuple | list = ()) -> list[str]:
     """A robust table's setting columns for the setting `at` (SETTING key -> value): workload, GPU
     tokens, host tier, eviction unit, and `others` (keys varying beside those) in words, one cell."""
