@@ -480,7 +480,7 @@ class Continuum(_LedgerPolicy):
             changed += self._release(w)
         return changed
 
-    def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None):
+    def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None, gpu_cached=None):
         """The program's next call arrived: its tool time joins the TTL's distribution, and its pin is
         released (the request now locks what it reads; the caller refreshes those nodes)."""
         waited = self.waiting.pop(workflow, None)

@@ -70,6 +70,10 @@ class TrustConfig:
                                  "return once the score's beats it so", probability)
     outcome_slack: float = knob(0.02, "outcome: a full shadow evicts down to (1 - slack) x its capacity, so the "
                                 "next inserts need no ranking (the same for both shadows)", at_least(0), below(1))
+    outcome_real_weight: float = knob(0.0, "outcome: weight of the real cache's GPU hits in the followed order's "
+                                      "measured hits (the rest: its shadow's; the other order has only its "
+                                      "shadow). 0: the shadows alone (above 0 switched more and kept less of "
+                                      "the score's gain on validation: docs/serving.md section 10)", probability)
     outcome_seed: int = knob(0, "outcome: seeds which workflows are sampled", at_least(0))
     outcome_unit: str = knob("key", "outcome: what a shadow evicts at once: key (one content key, as partial "
                              "eviction frees a victim's tail) or node (a leaf key with the ancestors that form one "

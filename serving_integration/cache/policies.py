@@ -424,10 +424,10 @@ class EvictionPolicy:
         return []
 
     def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
-                     cached: int | None = None) -> bool:
+                     cached: int | None = None, gpu_cached: int | None = None) -> bool:
         """Called when a call arrives, with its prompt's content keys in prefix order and their
         token counts (workload.prefix_keys; the plugin's are token blocks), and the tokens of it the
-        cache held (GPU and host; None where unknown); True when every node's priority changed at
+        cache held (GPU and host, and on the GPU; None where unknown); True when every node's priority changed at
         once (the caller's heaps must be rebuilt)."""
         return False
 
@@ -575,8 +575,8 @@ class _JudgedPolicy(_LedgerPolicy):
     def trusted(self) -> bool:
         return self.judge is None or self.judge.trusted
 
-    def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None):
-        return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes, cached)
+    def observe_call(self, workflow, agent, keys=(), sizes=(), cached=None, gpu_cached=None):
+        return self.judge is not None and self.judge.observe_call(workflow, agent, keys, sizes, cached, gpu_cached)
 
     def observe_insert(self, workflow, agent, keys, sizes):
         if self.judge is not None:

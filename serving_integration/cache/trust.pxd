@@ -51,8 +51,8 @@ cdef class OutcomeTrust:
     cdef dict __dict__
     cdef public object values, share, seed, margin, min_calls, z, return_z, slack, by_node, decay, clock, shadows
     cdef public object prompt_tokens, total_prompt_tokens, _dd, _dp, _pp, sampled_calls, trusted, switches
-    cdef public object host_tier, cumulative
-    cdef public list _since
+    cdef public object host_tier, cumulative, real_weight
+    cdef public list _since, judged
     cdef public dict parent, ends, entries, tables, keys_of, _revised, locked, running, _sampled
     cdef public ShadowCache score_shadow
     cdef public LruShadowCache lru_shadow
@@ -62,6 +62,7 @@ cdef class OutcomeTrust:
     cpdef _refresh(self)
     cpdef _make_room(self)
     cpdef _forget(self, key)
+    cpdef list _judged_hits(self, list hits, gpu_cached)
     cpdef _decide(self)
 
 

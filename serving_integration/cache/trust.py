@@ -141,7 +141,7 @@ class AccuracyTrust:
         return self.meter.switches
 
     def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
-                     cached: int | None = None) -> bool:
+                     cached: int | None = None, gpu_cached: int | None = None) -> bool:
         p = self.ledger.check_prediction(workflow, agent)
         return p is not None and self.meter.update(p)
 
@@ -376,6 +376,7 @@ class OutcomeTrust:
         self.margin, self.min_calls, self.z = options.outcome_margin, options.outcome_min_calls, options.outcome_z
         self.return_z = options.outcome_return_z
         self.slack = options.outcome_slack
+        self.real_weight = options.outcome_real_weight
         self.by_node = options.outcome_unit == "node"
         # outcome_unit=node: each key's parent (the key before it in a prompt; chained keys have one)
         # and the node boundaries of the server's tree: keys that ended a held sequence or branched
@@ -396,6 +397,9 @@ class OutcomeTrust:
         self.locked: dict[Hashable, int] = {}
         self.running: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0.0  # sampled prompt tokens, decayed like the hit counts
+        # the hits the decision compares (score order, lifecycle-aware LRU), decayed: the shadows',
+        # the followed order's mixed with the real cache's by outcome_real_weight
+        self.judged = [0.0, 0.0]
         self.total_prompt_tokens = 0  # sampled prompt tokens over the whole run
         # decayed sums of d^2, d p and p^2 over sampled calls, d = (lru hits - score hits), p = prompt
         # tokens: the variance of the ratio estimate sum d / sum p (hit_rates' difference)
@@ -427,9 +431,11 @@ class OutcomeTrust:
         return known
 
     def observe_call(self, workflow: str, agent: str, keys: Sequence = (), sizes: Sequence = (),
-                     cached: int | None = None) -> bool:
+                     cached: int | None = None, gpu_cached: int | None = None) -> bool:
         """A call was admitted with its prompt's content keys (prefix order) and token counts, and
-        the first `cached` of its tokens were in the real cache (GPU and host; None: unknown). Each
+        the first `cached` of its tokens were in the real cache (GPU and host; None: unknown), the
+        first `gpu_cached` on its GPU (None: unknown; with outcome_real_weight, what the real cache
+        hit counts toward the followed order's hits, as measured on the order itself). Each
         shadow counts the tokens of its longest held prefix as hits, and then holds what the call
         holds on the GPU inside the real tree while it runs, so that the rest of the prompt and the
         output are what the capacity told (`set_capacity`) leaves out, as for the real cache:
@@ -454,7 +460,10 @@ class OutcomeTrust:
             shadow.hit_tokens = shadow.hit_tokens * decay + hit
             shadow.total_hit_tokens += hit
             hits.append(hit)
-        d = hits[1] - hits[0]
+        judged, sums = self._judged_hits(hits, gpu_cached), self.judged
+        sums[0] = sums[0] * decay + judged[0]
+        sums[1] = sums[1] * decay + judged[1]
+        d = judged[1] - judged[0]
         self._dd, self._dp, self._pp = (self._dd * decay + d * d, self._dp * decay + d * prompt,
                                         self._pp * decay + prompt * prompt)
         if self.cumulative:
@@ -478,6 +487,21 @@ class OutcomeTrust:
             self._hold(workflow, agent, keys[:n], sizes[:n])
         self._make_room()
         return self._decide()
+
+    def _judged_hits(self, hits: list, gpu_cached) -> list:
+        """The call's hits as the decision counts them: the shadows' (score order, lifecycle-aware LRU),
+        the followed order's mixed with the real cache's GPU hits by outcome_real_weight. The two
+        shadows share most of their error (granularity, the stream they both follow), which their
+        difference cancels; the real cache's count has no error for the order it follows, and none to
+        cancel the other shadow's. Tried on validation and not adopted (default 0: docs/serving.md
+        section 10): any weight switched more and lost more where the score wins."""
+        weight = self.real_weight
+        if not weight or gpu_cached is None:
+            return hits
+        followed = 0 if self.trusted else 1
+        mixed = list(hits)
+        mixed[followed] = (1.0 - weight) * hits[followed] + weight * gpu_cached
+        return mixed
 
     def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
         """A call finished: its prompt and output (content keys in prefix order) are in the cache, and
@@ -684,11 +708,17 @@ class OutcomeTrust:
         total = self.prompt_tokens or 1.0
         return self.score_shadow.hit_tokens / total, self.lru_shadow.hit_tokens / total
 
-    def standard_error(self) -> float:
-        """Of the windowed difference of the hit rates (lru - score): the ratio estimator's, from the
-        decayed per-call sums (delta method)."""
+    def judged_rates(self) -> tuple[float, float]:
+        """(score order, lifecycle-aware LRU): the hit rates the decision compares over the window (the
+        shadows' with outcome_real_weight = 0)."""
         total = self.prompt_tokens or 1.0
-        r = (self.lru_shadow.hit_tokens - self.score_shadow.hit_tokens) / total
+        return self.judged[0] / total, self.judged[1] / total
+
+    def standard_error(self) -> float:
+        """Of the windowed difference of the judged hit rates (lru - score): the ratio estimator's, from
+        the decayed per-call sums (delta method)."""
+        total = self.prompt_tokens or 1.0
+        r = (self.judged[1] - self.judged[0]) / total
         return ratio_error(r, self._dd, self._dp, self._pp, total)
 
     def lead_since_flip(self) -> tuple[float, float]:
@@ -706,7 +736,7 @@ class OutcomeTrust:
         steady difference flips within a few dozen sampled calls, noise does not."""
         if self.sampled_calls < self.min_calls:  # too little evidence yet: the predictions are trusted
             return False
-        score, lru = self.hit_rates()
+        score, lru = self.judged_rates()
         if self.trusted:
             trusted = score >= lru - (self.margin + self.z * self.standard_error())
         else:

@@ -303,6 +303,15 @@ class GuardedPredictor:
         return None
 
 
+def matched_tokens(req) -> tuple[int | None, int | None]:
+    """(GPU and host, GPU) tokens of the request's prompt SGLang's tree had at admission (None where
+    this SGLang does not say): `num_matched_prefix_tokens` counts the device prefix and the host
+    hit together, `host_hit_length` the host part."""
+    matched = getattr(req, "num_matched_prefix_tokens", None)
+    host = getattr(req, "host_hit_length", None)
+    return matched, None if matched is None or host is None else matched - host
+
+
 def build_prediction_source(policy: str, config: PluginConfig, stats: PluginStats) -> PredictionSource | None:
     """pbkv: the train.py checkpoint; kvflow_ideal: the agent step graph of a trace dataset (the graph its
     meta.json declares, else its train split's transitions). A source
@@ -491,7 +500,7 @@ class WorkflowRuntime:
             wf.running.add(req.rid)
             self.policy.on_time(self.clock())  # continuum: the clock its tool times are read from
             keys, sizes = self._shadow_keys(wf.id, getattr(req, "origin_input_ids", None))
-            if self.policy.observe_call(wf.id, tag.agent, keys, sizes, getattr(req, "num_matched_prefix_tokens", None)):
+            if self.policy.observe_call(wf.id, tag.agent, keys, sizes, *matched_tokens(req)):
                 self.stats.count("trust_switches")  # SGLang rebuilds its heap on every pass
             report = self.policy.trust_report()
             if report is not None:

@@ -454,7 +454,7 @@ class Server:
         r.private = miss + call.output_tokens
         tree.private_gpu += r.private
         self.policy.set_capacity(tree.gpu_capacity - tree.private_gpu)  # what the cache may hold while this runs
-        if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens, gpu_hit + host_hit):  # trust flipped
+        if self.policy.observe_call(r.wf.id, call.agent, call.keys, call.lens, gpu_hit + host_hit, gpu_hit):  # flipped
             tree.reprioritize()
         if self.tracks_workflows:
             self.ledger.record_path([node.id for node in path], r.wf.id, call.agent)

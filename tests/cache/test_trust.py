@@ -252,6 +252,30 @@ def test_the_evidence_since_the_start_can_leave_the_score_where_the_window_canno
     assert flips(sequence=sequence, outcome_cumulative=True, **options) == [7]
 
 
+def flips_beside_a_real_cache(gpu_cached, **options):
+    """flips() with the real cache's GPU hits told at every call: `gpu_cached` tokens of each prompt."""
+    trust, _ = judge(**options)
+    found = []
+    for i, (w, agent, key) in enumerate(HAND_CHECKED, 1):
+        if trust.observe_call(w, agent, [key], [4], None, gpu_cached):
+            found.append(i)
+        trust.observe_insert(w, [key], [4], agent)
+    return found
+
+
+def test_the_real_caches_hits_count_for_the_followed_order_by_their_weight():
+    # by default (weight 0) the shadows alone decide, whatever the real cache hit
+    assert flips_beside_a_real_cache(0) == flips_beside_a_real_cache(4) == [6]
+    # a real cache that hit every prompt whole: the followed score order is never behind
+    assert flips_beside_a_real_cache(4, outcome_real_weight=1.0) == []
+    # one that hit nothing: LRU's shadow leads at its first hit (S at call 4), before the shadows alone see it
+    assert flips_beside_a_real_cache(0, outcome_real_weight=1.0)[0] == 4
+    # half the weight: the score's measured hits are half its shadow's and half the real cache's
+    trust, _ = judge(outcome_real_weight=0.5)
+    trust.observe_call("w1", "c", ["X"], [4], None, 4)
+    assert trust.judged == [2.0, 0.0]  # the score's shadow missed X, the real cache hit it; LRU's shadow missed
+
+
 def test_trust_knobs_are_checked():
     with pytest.raises(ConfigError, match="outcome_sample"):
         TrustConfig(outcome_sample=0)

@@ -46,6 +46,7 @@ from models import WorkflowPrefix, save_predictor  # noqa: E402
 from models.markov import MarkovPredictor  # noqa: E402
 from serving_integration.server import launch, plugin  # noqa: E402
 from serving_integration.cache.predictions import ModelSource  # noqa: E402
+from serving_integration.server import runtime as runtime_module  # noqa: E402
 from serving_integration.server.runtime import GuardedPredictor  # noqa: E402
 
 AGENTS = ["<unk>", "a", "b"]
@@ -339,6 +340,22 @@ def test_outcome_trust_in_the_plugin_feeds_its_shadows_and_reports_what_it_follo
     assert judge.score_shadow.reserved == judge.lru_shadow.reserved == 0  # the real cache had what they had
     assert not judge.host_tier  # no HiCache controller on this cache
     assert serving.runtime.stats[f"calls_following_{policy}"] == 2 and serving.runtime.snapshot()["trusted"] is True
+
+
+def test_the_judge_hears_what_sglang_matched_on_the_device_and_in_all(checkpoint):
+    # outcome_real_weight counts the real cache's GPU hits: SGLang's Req must carry both the whole
+    # match (num_matched_prefix_tokens) and its host part (host_hit_length) once the scheduler matched it
+    serving = Serving("pbkv", {"checkpoint": checkpoint, "predictor_timeout_s": 0})
+    serving.serve(prompt(10), [1, 2], tag("W", "a"))
+    req = Req(rid="m", origin_input_text="", origin_input_ids=array("q", prompt(10) + [1, 2, 3]),
+              sampling_params=SamplingParams(max_new_tokens=1))
+    serving.req_pool.alloc([req])
+    match = match_kv_cache(req, serving.cache)
+    assert match.device_prefix_len == len(prompt(10)) + 2  # the first call's prompt and output
+    assert runtime_module.matched_tokens(req) == (match.device_prefix_len, match.device_prefix_len)  # no host tier
+    req.host_hit_length = 3  # what a HiCache match would add from the host
+    req.num_matched_prefix_tokens += 3
+    assert runtime_module.matched_tokens(req) == (match.device_prefix_len + 3, match.device_prefix_len)
 
 
 def test_lifecycle_lru_evicts_retired_then_lru():
