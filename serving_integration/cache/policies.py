@@ -427,8 +427,8 @@ class EvictionPolicy:
                      cached: int | None = None, gpu_cached: int | None = None) -> bool:
         """Called when a call arrives, with its prompt's content keys in prefix order and their
         token counts (workload.prefix_keys; the plugin's are token blocks), and the tokens of it the
-        cache held (GPU and host, and on the GPU; None where unknown); True when every node's priority changed at
-        once (the caller's heaps must be rebuilt)."""
+        cache held (`cached`: GPU and host; `gpu_cached`: GPU; None where unknown); True when every
+        node's priority changed at once (the caller's heaps must be rebuilt)."""
         return False
 
     def observe_insert(self, workflow: str, agent: str, keys: Sequence, sizes: Sequence) -> None:

@@ -402,7 +402,7 @@ class OutcomeTrust:
         self.judged = [0.0, 0.0]
         self.total_prompt_tokens = 0  # sampled prompt tokens over the whole run
         # decayed sums of d^2, d p and p^2 over sampled calls, d = (lru hits - score hits), p = prompt
-        # tokens: the variance of the ratio estimate sum d / sum p (hit_rates' difference)
+        # tokens: the variance of the ratio estimate sum d / sum p (judged_rates' difference)
         self._dd = self._dp = self._pp = 0.0
         # outcome_cumulative: the same sums over every sampled call since the last flip, undecayed
         self.cumulative = options.outcome_cumulative
@@ -434,8 +434,8 @@ class OutcomeTrust:
                      cached: int | None = None, gpu_cached: int | None = None) -> bool:
         """A call was admitted with its prompt's content keys (prefix order) and token counts, and
         the first `cached` of its tokens were in the real cache (GPU and host; None: unknown), the
-        first `gpu_cached` on its GPU (None: unknown; with outcome_real_weight, what the real cache
-        hit counts toward the followed order's hits, as measured on the order itself). Each
+        first `gpu_cached` on its GPU (None: unknown; outcome_real_weight counts them toward the
+        followed order's hits). Each
         shadow counts the tokens of its longest held prefix as hits, and then holds what the call
         holds on the GPU inside the real tree while it runs, so that the rest of the prompt and the
         output are what the capacity told (`set_capacity`) leaves out, as for the real cache:
