@@ -115,7 +115,8 @@ def test_a_wrong_type_or_unknown_key_fails_when_hydra_composes(override, key):
 
 @pytest.mark.parametrize("override, message", [
     ("+pbkv.horizn=3", "pbkv.horizn: not a setting of pbkv (known: gamma, horizon, outcome_cumulative, "
-                       "outcome_margin, outcome_min_calls, outcome_return_z, outcome_sample, outcome_seed, "
+                       "outcome_margin, outcome_min_calls, outcome_real_weight, outcome_return_z, outcome_sample, "
+                       "outcome_seed, "
                        "outcome_slack, outcome_unit, outcome_window, outcome_z, time_tau_s, trust, trust_margin, "
                        "trust_threshold, trust_window)"),
     ("+colour=red", "colour: not a setting of evaluate.py"),
