@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+import warnings
 
 PINNED = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorised kernels (reductions, activations, softmax)
@@ -39,11 +41,21 @@ def on_x86_64() -> bool:
 
 def pin() -> None:
     """Set each of PINNED in the environment where the user has not, on x86-64 (child processes
-    inherit it)."""
+    inherit it). torch fixes its kernel set when it first runs one; where that happened before the
+    pin with another set (a script or notebook that imported, say, the cache policies first: their
+    import runs a torch kernel), it warns: predictors trained in the process, and the replays
+    they drive, then differ from the entry points'."""
     if not on_x86_64():
         return
     for name, value in PINNED.items():
         os.environ.setdefault(name, value)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        running, wanted = torch.backends.cpu.get_cpu_capability(), os.environ["ATEN_CPU_CAPABILITY"].upper()
+        if running != wanted:
+            warnings.warn(f"torch ran a kernel before data.cpu_kernels.pin() and runs {running} kernels, not "
+                          f"{wanted}: predictors trained in this process differ from train.py's (call pin() "
+                          f"before anything uses torch; data/cpu_kernels.py)", RuntimeWarning, stacklevel=2)
 
 
 def fingerprint() -> dict:

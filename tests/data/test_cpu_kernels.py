@@ -41,6 +41,22 @@ def test_entry_points_run_torch_on_avx2_kernels(entry):
     assert capability_after_importing(entry) == "AVX2"
 
 
+@pytest.mark.skipif(not cpu_kernels.on_x86_64() or "avx512f" not in cpu_flags(),
+                    reason="torch picks other kernels than the pinned ones only where the CPU has AVX512")
+def test_a_pin_after_torch_ran_a_kernel_says_the_kernels_are_not_pinned():
+    clean = {k: v for k, v in os.environ.items() if k not in cpu_kernels.PINNED}
+
+    def pinned_after(setup: str) -> subprocess.CompletedProcess:
+        code = (f"import warnings; warnings.simplefilter('error'); {setup}; "
+                "from data import cpu_kernels; cpu_kernels.pin()")
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**clean, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=300)
+
+    late = pinned_after("import torch; torch.ones(8).sum()")  # the kernel set is fixed: AVX512 here
+    assert late.returncode != 0 and "torch ran a kernel before data.cpu_kernels.pin()" in late.stderr
+    assert pinned_after("import torch").returncode == 0  # loaded, but no kernel run yet: the pin still holds
+
+
 @x86_with_avx2
 def test_a_users_own_setting_is_kept():
     assert capability_after_importing("evaluate", ATEN_CPU_CAPABILITY="default") == "DEFAULT"
