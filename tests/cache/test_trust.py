@@ -28,9 +28,10 @@ def held(trust):
     return sorted(trust.score_shadow.held), sorted(trust.lru_shadow.held)
 
 
-def run_call(trust, w, agent, keys, sizes):
-    """A call admitted and finished at once (no output): matched, then its prompt held."""
-    flipped = trust.observe_call(w, agent, keys, sizes)
+def run_call(trust, w, agent, keys, sizes, gpu_cached=None):
+    """A call admitted and finished at once (no output): matched, then its prompt held; `gpu_cached`:
+    the real cache's GPU hits told with it."""
+    flipped = trust.observe_call(w, agent, keys, sizes, None, gpu_cached)
     trust.observe_insert(w, keys, sizes, agent)
     return flipped
 
@@ -206,10 +207,12 @@ HAND_CHECKED = [("w1", "c", "X"), ("w1", "a", "S"), ("w2", "b", "T"), ("w2", "a"
 AFTER_THE_FLIP = [("w2", "b", "T"), ("w1", "c", "X"), ("w2", "b", "T")]  # hits for the score only, or for both
 
 
-def flips(then=(), sequence=HAND_CHECKED, **options):
-    """The calls of the hand-checked sequence (and of `then` after it) at which the order flipped."""
+def flips(then=(), sequence=HAND_CHECKED, gpu_cached=None, **options):
+    """The calls of the hand-checked sequence (and of `then` after it) at which the order flipped;
+    `gpu_cached`: the real cache's GPU hits told at every call."""
     trust, _ = judge(**options)
-    return [i for i, (w, agent, key) in enumerate([*sequence, *then], 1) if run_call(trust, w, agent, [key], [4])]
+    return [i for i, (w, agent, key) in enumerate([*sequence, *then], 1)
+            if run_call(trust, w, agent, [key], [4], gpu_cached)]
 
 
 def test_the_flip_waits_for_min_calls_and_for_a_difference_beyond_its_standard_error():
@@ -252,24 +255,13 @@ def test_the_evidence_since_the_start_can_leave_the_score_where_the_window_canno
     assert flips(sequence=sequence, outcome_cumulative=True, **options) == [7]
 
 
-def flips_beside_a_real_cache(gpu_cached, **options):
-    """flips() with the real cache's GPU hits told at every call: `gpu_cached` tokens of each prompt."""
-    trust, _ = judge(**options)
-    found = []
-    for i, (w, agent, key) in enumerate(HAND_CHECKED, 1):
-        if trust.observe_call(w, agent, [key], [4], None, gpu_cached):
-            found.append(i)
-        trust.observe_insert(w, [key], [4], agent)
-    return found
-
-
 def test_the_real_caches_hits_count_for_the_followed_order_by_their_weight():
     # by default (weight 0) the shadows alone decide, whatever the real cache hit
-    assert flips_beside_a_real_cache(0) == flips_beside_a_real_cache(4) == [6]
+    assert flips(gpu_cached=0) == flips(gpu_cached=4) == [6]
     # a real cache that hit every prompt whole: the followed score order is never behind
-    assert flips_beside_a_real_cache(4, outcome_real_weight=1.0) == []
+    assert flips(gpu_cached=4, outcome_real_weight=1.0) == []
     # one that hit nothing: LRU's shadow leads at its first hit (S at call 4), before the shadows alone see it
-    assert flips_beside_a_real_cache(0, outcome_real_weight=1.0)[0] == 4
+    assert flips(gpu_cached=0, outcome_real_weight=1.0)[0] == 4
     # half the weight: the score's measured hits are half its shadow's and half the real cache's
     trust, _ = judge(outcome_real_weight=0.5)
     trust.observe_call("w1", "c", ["X"], [4], None, 4)
