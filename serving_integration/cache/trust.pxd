@@ -7,6 +7,11 @@
 
 cpdef agents_value(values, agents)
 
+# log_sum_exp's exp and log: the C library's when compiled (trust.py imports math's, which call them)
+cdef extern from "math.h":
+    cpdef double exp(double x)
+    cpdef double log(double x)
+
 
 cdef class ShadowEntry:
     cdef public object size, first, stamp, score

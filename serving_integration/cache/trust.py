@@ -84,6 +84,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+from math import exp, log  # compiled: the C library's, as trust.pxd declares (the same functions math calls)
 from itertools import accumulate
 from typing import Callable, Hashable, Protocol, Sequence
 
@@ -219,7 +220,7 @@ class TimeShadowEntry(ShadowEntry):
     def set_part(self, workflow: str, table: tuple) -> None:
         offset, values = table
         part = agents_value(values, self.readers[workflow])
-        self.parts[workflow] = offset + math.log(part) if part > 0 else -math.inf
+        self.parts[workflow] = offset + log(part) if part > 0 else -math.inf
         self.rescore()
 
     def rescore(self) -> None:
@@ -232,13 +233,16 @@ def log_sum_exp(terms: list[float]) -> float:
     is, so a key with one reader has exactly that reader's term, as in policies.PBKVTime."""
     if not terms:
         return -math.inf
-    top = max(terms)
+    top = -math.inf
+    for x in terms:  # max(terms), in C when compiled
+        if x > top:
+            top = x
     if len(terms) == 1 or top == -math.inf:
         return top
     total = 0.0  # summed in a loop, as sum() does on Python 3.11 (a compiled loop, no generator)
     for x in terms:
-        total += math.exp(x - top)
-    return top + math.log(total)
+        total += exp(x - top)
+    return top + log(total)
 
 
 def score_item(entry: ShadowEntry, key) -> tuple:

@@ -6,7 +6,8 @@ policy, prefetch mode, end-signal setting and cluster shape; together they pass 
 path of serving_integration/simulator/engine.py (admission in arrival, lpm and spf order, chunked prefill and spf's capped chunk, decode runs cut at
 the next event, idle-time and decode-time prefetch, delayed and lost end signals, the inactivity
 timeout of finished and of live workflows, charged predictor time, the oracle's future index, two
-replicas behind each router). Counts are compared exactly, and so are the float metrics: the
+replicas behind each router), and pbkv's and pbkv_time's outcome judges (their shadow caches' hit
+rates: pbkv_time's scores are log-sum-exps). Counts are compared exactly, and so are the float metrics: the
 replay is plain IEEE arithmetic in a fixed order, so the same code gives the same bits.
 
 A change that is meant to move results updates GOLDEN with the new numbers (print them with
@@ -28,6 +29,9 @@ METRICS = ("gpu_hit_tokens", "host_hit_tokens", "prompt_tokens", "recomputed_tok
            "predictor_calls", "ended_by_signal", "ended_by_timeout", "live_timeouts", "replica_calls", "migrations",
            "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "throughput_calls_per_s",
            "time_queue_s", "time_pcie_s")
+# and, for the policies with a trust judge, what the judge measured and did (its shadow caches' hit rates
+# decide when it switches)
+JUDGE_METRICS = ("trust_switches", "shadow_hit_rate_pbkv", "shadow_hit_rate_lae")
 
 
 def sources(kind: str, workflows):
@@ -52,6 +56,8 @@ CASES = {
     "lfu_page16": ("swebench", 8, 1, dict(gpu_tokens=120_000, concurrency=4, page_size=16), dict(policy="lfu")),
     "kvflow_aggressive": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6),
                           dict(policy="kvflow_ideal", prefetch="aggressive", predictions="step_graph")),
+    "pbkv_time_outcome": ("hover", 24, 3, dict(gpu_tokens=50_000, concurrency=8),
+                          dict(policy="pbkv_time", predictions="perfect")),
     "pbkv_lae_end_delay": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.5),
                            dict(policy="pbkv_lae")),
     "pbkv_conservative_online": ("hover", 16, 0, dict(gpu_tokens=60_000, concurrency=6, end_signal_delay_s=1.0),
@@ -80,7 +86,7 @@ def replay(name: str, whole: bool = False) -> dict:
     if "predictions" in policy:
         policy["predictions"] = sources(kind, workflows)[policy["predictions"]]()
     row = simulate(workflows, SimConfig(**config), H100, bound=whole, **policy)
-    return row if whole else {m: row[m] for m in METRICS}
+    return row if whole else {m: row[m] for m in (*METRICS, *JUDGE_METRICS) if m in row}
 
 
 GOLDEN = {  # recorded from the code of the commit that added this test
@@ -138,14 +144,16 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         'prefetched_tokens': 833732, 'predictor_calls': 114, 'ended_by_signal': 8, 'ended_by_timeout': 6,
         'live_timeouts': 1, 'replica_calls': [115], 'migrations': 0, 'mean_workflow_latency_s': 30.38651501677923,
         'p99_workflow_latency_s': 48.272242870434674, 'mean_ttft_s': 0.2370669099783462, 'throughput_calls_per_s':
-        1.303752889619508, 'time_queue_s': 0.18177119061974778, 'time_pcie_s': 0.08134299999999997
+        1.303752889619508, 'time_queue_s': 0.18177119061974778, 'time_pcie_s': 0.08134299999999997,
+        'trust_switches': 0, 'shadow_hit_rate_pbkv': 0.3044752755075781, 'shadow_hit_rate_lae': 0.1655405765520476
     },
     'pbkv_conservative_online': {
         'gpu_hit_tokens': 283697, 'host_hit_tokens': 194645, 'prompt_tokens': 1059700, 'recomputed_tokens': 91532,
         'prefetched_tokens': 89569, 'predictor_calls': 146, 'ended_by_signal': 15, 'ended_by_timeout': 0,
         'live_timeouts': 0, 'replica_calls': [149], 'migrations': 0, 'mean_workflow_latency_s': 43.10860789987211,
         'p99_workflow_latency_s': 87.8564896366432, 'mean_ttft_s': 0.5623188496939535, 'throughput_calls_per_s':
-        1.1115738176779904, 'time_queue_s': 2.3043742727311, 'time_pcie_s': 0.20167020000000005
+        1.1115738176779904, 'time_queue_s': 2.3043742727311, 'time_pcie_s': 0.20167020000000005, 'trust_switches':
+        0, 'shadow_hit_rate_pbkv': 0.23777201094649428, 'shadow_hit_rate_lae': 0.18055581768425025
     },
     'pbkv_lae_end_delay': {
         'gpu_hit_tokens': 183945, 'host_hit_tokens': 219472, 'prompt_tokens': 1059700, 'recomputed_tokens': 166457,
@@ -154,34 +162,46 @@ GOLDEN = {  # recorded from the code of the commit that added this test
         'p99_workflow_latency_s': 91.67650563977232, 'mean_ttft_s': 0.6305015109216111, 'throughput_calls_per_s':
         1.0651140620690127, 'time_queue_s': 2.6962041261478626, 'time_pcie_s': 0.24025279999999993
     },
+    'pbkv_time_outcome': {
+        'gpu_hit_tokens': 175112, 'host_hit_tokens': 247187, 'prompt_tokens': 937277, 'recomputed_tokens': 16536,
+        'prefetched_tokens': 0, 'predictor_calls': 139, 'ended_by_signal': 24, 'ended_by_timeout': 0,
+        'live_timeouts': 0, 'replica_calls': [164], 'migrations': 0, 'mean_workflow_latency_s': 32.20029413347218,
+        'p99_workflow_latency_s': 73.45136540508042, 'mean_ttft_s': 0.5023531696622268, 'throughput_calls_per_s':
+        1.5079586552668067, 'time_queue_s': 1.553110666982845, 'time_pcie_s': 0.2207496000000001, 'trust_switches':
+        0, 'shadow_hit_rate_pbkv': 0.18737577044993103, 'shadow_hit_rate_lae': 0.14013893438119146
+    },
     'two_replicas_cache_aware': {
         'gpu_hit_tokens': 221955, 'host_hit_tokens': 83209, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
         'prefetched_tokens': 2768, 'predictor_calls': 119, 'ended_by_signal': 12, 'ended_by_timeout': 2,
         'live_timeouts': 0, 'replica_calls': [69, 51], 'migrations': 47, 'mean_workflow_latency_s':
         27.095671149443163, 'p99_workflow_latency_s': 45.76817669972552, 'mean_ttft_s': 0.273568246254614,
         'throughput_calls_per_s': 1.6929730943011427, 'time_queue_s': 0.6367624257419107, 'time_pcie_s':
-        0.047841800000000004
+        0.047841800000000004, 'trust_switches': 0, 'shadow_hit_rate_pbkv': 0.3304293294840205,
+        'shadow_hit_rate_lae': 0.2111117663622592
     },
     'two_replicas_pbkv': {
         'gpu_hit_tokens': 240085, 'host_hit_tokens': 61423, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
         'prefetched_tokens': 0, 'predictor_calls': 120, 'ended_by_signal': 13, 'ended_by_timeout': 2,
         'live_timeouts': 0, 'replica_calls': [68, 52], 'migrations': 3, 'mean_workflow_latency_s':
         26.831549627433088, 'p99_workflow_latency_s': 49.699938361736045, 'mean_ttft_s': 0.23923554549581388,
-        'throughput_calls_per_s': 1.6625657524667687, 'time_queue_s': 0.18297886571926242, 'time_pcie_s': 0.0354362
+        'throughput_calls_per_s': 1.6625657524667687, 'time_queue_s': 0.18297886571926242, 'time_pcie_s': 0.0354362,
+        'trust_switches': 0, 'shadow_hit_rate_pbkv': 0.36400722118631246, 'shadow_hit_rate_lae': 0.2129863572221768
     },
     'two_replicas_round_robin': {
         'gpu_hit_tokens': 146250, 'host_hit_tokens': 51938, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
         'prefetched_tokens': 6191, 'predictor_calls': 117, 'ended_by_signal': 13, 'ended_by_timeout': 2,
         'live_timeouts': 0, 'replica_calls': [60, 60], 'migrations': 49, 'mean_workflow_latency_s':
         28.66925940855667, 'p99_workflow_latency_s': 52.25554257757621, 'mean_ttft_s': 0.31047856517414213,
-        'throughput_calls_per_s': 1.5924959585402598, 'time_queue_s': 0.773031929773994, 'time_pcie_s': 0.0257982
+        'throughput_calls_per_s': 1.5924959585402598, 'time_queue_s': 0.773031929773994, 'time_pcie_s': 0.0257982,
+        'trust_switches': 0, 'shadow_hit_rate_pbkv': 0.21358094107342943, 'shadow_hit_rate_lae': 0.15299341178884607
     },
     'two_replicas_sticky': {
         'gpu_hit_tokens': 243247, 'host_hit_tokens': 65012, 'prompt_tokens': 673087, 'recomputed_tokens': 0,
         'prefetched_tokens': 2888, 'predictor_calls': 119, 'ended_by_signal': 13, 'ended_by_timeout': 2,
         'live_timeouts': 0, 'replica_calls': [56, 64], 'migrations': 0, 'mean_workflow_latency_s':
         26.593751163800782, 'p99_workflow_latency_s': 46.47089714462514, 'mean_ttft_s': 0.2309774179192451,
-        'throughput_calls_per_s': 1.6853743506462917, 'time_queue_s': 0.13171560312532238, 'time_pcie_s': 0.036005
+        'throughput_calls_per_s': 1.6853743506462917, 'time_queue_s': 0.13171560312532238, 'time_pcie_s': 0.036005,
+        'trust_switches': 0, 'shadow_hit_rate_pbkv': 0.35892276847581683, 'shadow_hit_rate_lae': 0.22568099848826484
     },
 }
 
