@@ -7,8 +7,8 @@ path of serving_integration/simulator/engine.py (admission in arrival, lpm and s
 the next event, idle-time and decode-time prefetch, delayed and lost end signals, the inactivity
 timeout of finished and of live workflows, charged predictor time, the oracle's future index, two
 replicas behind each router), and pbkv's and pbkv_time's outcome judges (their shadow caches' hit
-rates: pbkv_time's scores are log-sum-exps). Counts are compared exactly, and so are the float metrics: the
-replay is plain IEEE arithmetic in a fixed order, so the same code gives the same bits.
+rates: pbkv_time's scores are log-sum-exps). Counts are compared exactly, and so are the float
+metrics: the replay is plain IEEE arithmetic in a fixed order, so the same code gives the same bits.
 
 A change that is meant to move results updates GOLDEN with the new numbers (print them with
 `python -m tests.simulator.test_replay_golden`) and says why in its commit."""
@@ -86,7 +86,9 @@ def replay(name: str, whole: bool = False) -> dict:
     if "predictions" in policy:
         policy["predictions"] = sources(kind, workflows)[policy["predictions"]]()
     row = simulate(workflows, SimConfig(**config), H100, bound=whole, **policy)
-    return row if whole else {m: row[m] for m in (*METRICS, *JUDGE_METRICS) if m in row}
+    if whole:
+        return row
+    return {m: row[m] for m in METRICS} | {m: row[m] for m in JUDGE_METRICS if m in row}
 
 
 GOLDEN = {  # recorded from the code of the commit that added this test
