@@ -13,8 +13,13 @@ cdef extern from "math.h":
     cpdef double log(double x)
 
 
+# A key's stamp (a count of touches) and score (a sum of float parts, or a log) are C numbers: the
+# heaps compare them on every sift
 cdef class ShadowEntry:
-    cdef public object size, first, stamp, score
+    cdef public object key, size, first
+    cdef public long long stamp
+    cdef public double score
+    cdef public Py_ssize_t score_slot, lru_slot
     cdef public bint shared
     cdef public dict readers, parts
     cpdef set_part(self, workflow, table)
@@ -29,24 +34,24 @@ cdef class TimeShadowEntry(ShadowEntry):
 
 
 cpdef double log_sum_exp(list terms)
-cpdef tuple score_item(ShadowEntry entry, key)
 
 
 cdef class ShadowCache:
     cdef public object name, total_hit_tokens
     cdef public double capacity, used, reserved, hit_tokens
+    cdef public bint by_score
     cdef public dict held, children
-    cdef public list heap
-    cpdef push(self, key, ShadowEntry entry)
-    cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
-    cpdef evict(self, key)
-
-
-cdef class LruShadowCache(ShadowCache):
-    cdef public dict live
-    cpdef push(self, key, ShadowEntry entry)
-    cpdef victim(self, dict entries, dict locked, bint leaves_only=*)
-    cpdef evict(self, key)
+    cdef public list order
+    cdef bint before(self, ShadowEntry a, ShadowEntry b) except -1
+    cdef Py_ssize_t slot(self, ShadowEntry entry) noexcept
+    cdef int _put(self, ShadowEntry entry, Py_ssize_t i) except -1
+    cdef bint _up(self, ShadowEntry entry, Py_ssize_t i) except -1
+    cdef int _down(self, ShadowEntry entry, Py_ssize_t i) except -1
+    cpdef place(self, ShadowEntry entry)
+    cpdef drop(self, ShadowEntry entry)
+    cpdef reorder(self, ShadowEntry entry, bint locked)
+    cpdef victim(self, dict locked, bint leaves_only=*)
+    cpdef evict(self, ShadowEntry entry)
 
 
 # The judge: its fields as struct members (Python objects, as trust.py stores them; the shadows and
@@ -60,7 +65,7 @@ cdef class OutcomeTrust:
     cdef public list _since, judged
     cdef public dict parent, ends, entries, tables, keys_of, _revised, locked, running, _sampled
     cdef public ShadowCache score_shadow
-    cdef public LruShadowCache lru_shadow
+    cdef public ShadowCache lru_shadow
     cpdef is_sampled(self, workflow)
     cpdef _release(self, keys, reserved, held_now)
     cpdef _hold(self, workflow, agent, keys, sizes)

@@ -68,10 +68,9 @@ but a miniature cache over a few live workflows does not evict as the full one d
 of a few hundred workflows it misjudged the order (docs/serving.md), so sampling is for servers
 with many live workflows.
 
-Cost: incremental, O(log n) per key touched. The score shadow's order is a heap with lazy
-deletion (every change of a key's rank pushes a new item; stale and locked items are dropped when
-popped, a locked key is pushed again when unlocked), the LRU shadow's an ordered dict of live keys
-(touches come in stamp order) with a heap for retired ones. A new prediction or a retirement
+Cost: incremental, O(log n) per key touched. Each shadow's order is an indexed binary heap of its
+keys' entries (`ShadowCache`): a change of a key's rank moves its entry in place, a locked key
+leaves the order when it reaches the top and comes back when unlocked. A new prediction or a retirement
 changes the ranks of one workflow's keys only: the ledger tells `revise(workflow)` and the next
 eviction pass rescores those keys. A full shadow evicts down to (1 - `outcome_slack`) x its
 capacity. Unsampled calls cost one hash of the workflow id.
@@ -82,7 +81,6 @@ re-heapifies (RadixTree.reprioritize), as the accuracy meter's flips do.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 from math import exp, log  # compiled: the C library's, as trust.pxd declares (the same functions math calls)
 from itertools import accumulate
@@ -177,16 +175,18 @@ def agents_value(values: dict, agents) -> float:
 
 
 class ShadowEntry:
-    """One content key as the shadows know it: its tokens, the live sampled workflows (and their
-    agents) that read it, the first sampled workflow that did and whether another one did too,
-    when it was last touched, and its score (the sum of its live readers' v_w over their agents)."""
+    """One content key as the shadows know it: the key, its tokens, the live sampled workflows (and
+    their agents) that read it, the first sampled workflow that did and whether another one did too,
+    when it was last touched, its score (the sum of its live readers' v_w over their agents), and
+    its place in each shadow's order (-1: not in it)."""
 
-    __slots__ = ("size", "readers", "parts", "first", "shared", "stamp", "score")
+    __slots__ = ("key", "size", "readers", "parts", "first", "shared", "stamp", "score", "score_slot", "lru_slot")
 
-    def __init__(self, size: int, first: str):
-        self.size, self.first, self.shared, self.stamp, self.score = size, first, False, 0, 0.0
+    def __init__(self, key, size: int, first: str):
+        self.key, self.size, self.first, self.shared, self.stamp, self.score = key, size, first, False, 0, 0.0
         self.readers: dict[str, dict[str, None]] = {}  # live sampled workflow -> its agents that read the key
         self.parts: dict[str, float] = {}  # live sampled workflow -> sum of its v_w over those agents
+        self.score_slot = self.lru_slot = -1
 
     def set_part(self, workflow: str, table: dict) -> None:
         """A reader's part from its v_w `table`, and the score again (the sum of the parts)."""
@@ -212,8 +212,8 @@ class TimeShadowEntry(ShadowEntry):
 
     __slots__ = ("queued",)
 
-    def __init__(self, size: int, first: str):
-        super().__init__(size, first)
+    def __init__(self, key, size: int, first: str):
+        super().__init__(key, size, first)
         self.queued: dict[str, float] = {}  # queued sampled workflow -> the log discount of its queue time
         self.score = -math.inf
 
@@ -245,27 +245,29 @@ def log_sum_exp(terms: list[float]) -> float:
     return top + log(total)
 
 
-def score_item(entry: ShadowEntry, key) -> tuple:
-    """A key's item in the score shadow's heap, lowest evicted first: PBKV's order (policies.PBKV),
-    retired keys first, then ascending score, the oldest first among equals; then the key. Flat, not
-    (rank, key): one tuple made per push, not two, and the heap compares numbers, not tuples of
-    them. A key's stamp is its own (every touch takes the next clock value), so two items tie on the
-    rank only when they are the same key's: the key never decides the order."""
-    return (1, entry.score, entry.stamp, key) if entry.readers else (0, 0.0, entry.stamp, key)
-
-
 class ShadowCache:
     """A metadata-only cache of `capacity` tokens: the keys it holds with the tokens charged for each,
-    and its eviction order as a heap of (rank..., key) items (`score_item`), kept lazily: an item is
-    current while its rank is the key's rank now, and every change of a key's rank pushes a new item
-    (an eviction pops stale items and drops them, so a pass costs O(log n) per item, not a rescan)."""
+    and its eviction order, lowest first, as an indexed binary heap of their entries (each entry
+    knows its slot): a key whose rank changes moves to its new place at once (`place`, O(log n)), so
+    the heap holds no stale items and the next victim is its top.
 
-    def __init__(self, name: str, capacity: float):
-        self.name, self.capacity = name, capacity
+    Two orders (`before`): the score shadow's is PBKV's (policies.PBKV): retired keys first, then
+    ascending score, the oldest first among equals; the LRU shadow's is lifecycle-aware LRU's
+    (policies.LifecycleLRU): retired keys first, then the oldest. A key's stamp is its own (every
+    touch takes the next clock value), so no two keys tie and the victim does not depend on the
+    heap's shape.
+
+    The heap holds every held key that may be evicted now, and perhaps some that may not: a key
+    locked by a running call, or (outcome_unit=node) one with held children, leaves it only when it
+    reaches the top (`victim`: most locked keys are unlocked before they would), and comes back
+    when it is unlocked or becomes a leaf."""
+
+    def __init__(self, name: str, capacity: float, by_score: bool):
+        self.name, self.capacity, self.by_score = name, capacity, by_score
         self.held: dict[Hashable, float] = {}  # key -> tokens charged
         self.used = 0.0
         self.reserved = 0.0  # running calls' prompt tokens in the real tree and not here, less the reverse
-        self.heap: list[tuple] = []
+        self.order: list[ShadowEntry] = []  # the heap
         self.hit_tokens = 0.0  # prompt tokens hit, decayed over the window (OutcomeTrust)
         self.total_hit_tokens = 0  # prompt tokens hit over the whole run
         self.children: dict[Hashable, int] = {}  # outcome_unit=node: held key -> its held children
@@ -278,78 +280,107 @@ class ShadowCache:
         """Tokens of the longest held prefix of `keys`."""
         return prefix_tokens_in(keys, sizes, self.held)
 
-    def push(self, key, entry: ShadowEntry) -> None:
-        heapq.heappush(self.heap, score_item(entry, key))
+    @cython.locals(a_live=cython.bint)
+    def before(self, a: ShadowEntry, b: ShadowEntry) -> bool:
+        """Whether this order evicts `a` before `b`."""
+        a_live = len(a.readers) != 0
+        if a_live != (len(b.readers) != 0):
+            return not a_live  # retired first
+        if self.by_score and a_live and a.score != b.score:
+            return a.score < b.score
+        return a.stamp < b.stamp
 
-    def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
-        """The next key this shadow's order evicts, off the heap (None: nothing evictable). Locked keys
-        leave the heap; they are pushed again when unlocked. `leaves_only`: keys with held children
-        leave it too, pushed again when they become leaves (OutcomeTrust._evict_node)."""
-        heap, held, children = self.heap, self.held, self.children
-        while heap:
-            item = heapq.heappop(heap)
-            key = item[3]
-            if key not in held or key in locked or score_item(entries[key], key) != item:
-                continue  # gone, locked, or stale (a newer item holds its rank)
-            if leaves_only and children.get(key):
-                continue
-            return key
-        return None
+    def slot(self, entry: ShadowEntry) -> int:
+        return entry.score_slot if self.by_score else entry.lru_slot
 
-    def evict(self, key) -> None:
-        self.used -= self.held.pop(key)
-
-    def rebuild(self, entries: dict, locked: dict) -> None:
-        """The heap from what is held, once stale items outnumber current ones."""
-        self.heap = [score_item(entries[key], key) for key in self.held if key not in locked]
-        heapq.heapify(self.heap)
-
-
-class LruShadowCache(ShadowCache):
-    """The lifecycle-aware LRU shadow: the same cache, its order kept without a heap for live keys.
-    Touches come in stamp order, so its live keys (those with a live reader) are an ordered dict,
-    oldest first, and a touch moves a key to its end; only retired keys, which leave that order
-    when their last reader retires, go through the heap (by stamp). The order is lifecycle-aware
-    LRU's (policies.LifecycleLRU): retired keys first, then the oldest."""
-
-    def __init__(self, name: str, capacity: float):
-        super().__init__(name, capacity)
-        self.live: dict[Hashable, int] = {}  # live key -> its stamp, oldest first
-
-    def push(self, key, entry: ShadowEntry) -> None:
-        live = self.live
-        if entry.readers:
-            if live.get(key) != entry.stamp:  # touched: now the newest (an unchanged stamp keeps its place)
-                live.pop(key, None)
-                live[key] = entry.stamp
+    def _put(self, entry: ShadowEntry, i: int) -> int:
+        """`entry` into slot `i` of the heap (-1: out of it)."""
+        if i >= 0:
+            self.order[i] = entry
+        if self.by_score:
+            entry.score_slot = i
         else:
-            live.pop(key, None)
-            heapq.heappush(self.heap, (entry.stamp, key))  # retired: oldest first
+            entry.lru_slot = i
+        return 0
 
-    @cython.locals(entry=ShadowEntry)
-    def victim(self, entries: dict, locked: dict, leaves_only: bool = False):
-        heap, held, live, children = self.heap, self.held, self.live, self.children
-        while heap:  # retired keys first, oldest first
-            stamp, key = heapq.heappop(heap)
-            if key not in held or key in live or key in locked:
+    @cython.locals(order=list, start=cython.Py_ssize_t, parent=cython.Py_ssize_t, above=ShadowEntry)
+    def _up(self, entry: ShadowEntry, i: int) -> bool:
+        """Sift `entry` up from slot `i`; whether it moved."""
+        order, start = self.order, i
+        while i > 0:
+            parent = (i - 1) >> 1
+            above = order[parent]
+            if not self.before(entry, above):
+                break
+            self._put(above, i)
+            i = parent
+        self._put(entry, i)
+        return i != start
+
+    @cython.locals(order=list, n=cython.Py_ssize_t, child=cython.Py_ssize_t, below=ShadowEntry)
+    def _down(self, entry: ShadowEntry, i: int) -> int:
+        """Sift `entry` down from slot `i`."""
+        order = self.order
+        n = len(order)
+        child = 2 * i + 1
+        while child < n:
+            if child + 1 < n and self.before(order[child + 1], order[child]):
+                child += 1
+            below = order[child]
+            if not self.before(below, entry):
+                break
+            self._put(below, i)
+            i, child = child, 2 * child + 1
+        self._put(entry, i)
+        return 0
+
+    @cython.locals(i=cython.Py_ssize_t)
+    def place(self, entry: ShadowEntry) -> None:
+        """`entry` into the order, or to its new place in it after its rank changed."""
+        i = self.slot(entry)
+        if i < 0:
+            self.order.append(entry)
+            self._up(entry, len(self.order) - 1)
+        elif not self._up(entry, i):
+            self._down(entry, i)
+
+    @cython.locals(i=cython.Py_ssize_t, last=ShadowEntry)
+    def drop(self, entry: ShadowEntry) -> None:
+        """`entry` out of the order (nothing if it is not in it)."""
+        i = self.slot(entry)
+        if i < 0:
+            return
+        self._put(entry, -1)
+        last = self.order.pop()
+        if last is not entry:  # the last slot's entry fills the hole and moves to its place
+            if not self._up(last, i):
+                self._down(last, i)
+
+    def reorder(self, entry: ShadowEntry, locked: bool) -> None:
+        """A held key's rank changed: its entry to its new place, or, while it is locked, out of the
+        order (it comes back when unlocked)."""
+        if locked:
+            self.drop(entry)
+        else:
+            self.place(entry)
+
+    @cython.locals(order=list, children=dict, entry=ShadowEntry)
+    def victim(self, locked: dict, leaves_only: bool = False):
+        """The entry of the next key this order evicts (None: nothing evictable). A locked key, and
+        with `leaves_only` a key with held children, leaves the order here (OutcomeTrust._release
+        and _evict_node place it again)."""
+        order, children = self.order, self.children
+        while order:
+            entry = order[0]
+            if entry.key in locked or (leaves_only and children.get(entry.key)):
+                self.drop(entry)
                 continue
-            entry = entries[key]  # held: known
-            if entry.readers or entry.stamp != stamp or (leaves_only and children.get(key)):
-                continue
-            return key
-        for key in live:  # a prefix is touched after what extends it, so leaves come first
-            if key not in locked and not (leaves_only and children.get(key)):
-                return key
+            return entry
         return None
 
-    def evict(self, key) -> None:
-        ShadowCache.evict(self, key)  # cpdef: Cython compiles no zero-argument super() in it
-        self.live.pop(key, None)
-
-    def rebuild(self, entries: dict, locked: dict) -> None:
-        self.heap = [(entries[key].stamp, key) for key in self.held
-                     if key not in self.live and key not in locked]
-        heapq.heapify(self.heap)
+    def evict(self, entry: ShadowEntry) -> None:
+        self.drop(entry)
+        self.used -= self.held.pop(entry.key)
 
 
 def ratio_error(r: float, dd: float, dp: float, pp: float, total: float) -> float:
@@ -389,8 +420,8 @@ class OutcomeTrust:
         self.decay = 1.0 - 1.0 / options.outcome_window
         self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
         self.clock = 0  # touches: each key's stamp
-        self.score_shadow = ShadowCache("pbkv", 0.0)
-        self.lru_shadow = LruShadowCache("pbkv_lae", 0.0)
+        self.score_shadow = ShadowCache("pbkv", 0.0, by_score=True)
+        self.lru_shadow = ShadowCache("pbkv_lae", 0.0, by_score=False)
         self.shadows = (self.score_shadow, self.lru_shadow)
         # live sampled workflows with keys in the shadows: their v_w as last read, and their keys
         self.tables: dict[str, dict] = {}
@@ -523,7 +554,7 @@ class OutcomeTrust:
     @cython.locals(entry=ShadowEntry, shadow=ShadowCache)
     def _release(self, keys: Sequence, reserved: tuple, held_now: Sequence) -> None:
         """A finished call's keys: unlocked, and back into the orders of the shadows that hold them
-        (those about to be held again are pushed then, with their new rank); its reservations end."""
+        (those about to be held again are placed then, with their new rank); its reservations end."""
         for shadow, tokens in zip(self.shadows, reserved):
             shadow.reserved -= tokens
         locked, entries = self.locked, self.entries
@@ -538,9 +569,9 @@ class OutcomeTrust:
             if entry is not None and key not in again:
                 for shadow in self.shadows:
                     if key in shadow.held:
-                        shadow.push(key, entry)
+                        shadow.place(entry)
 
-    @cython.locals(entry=ShadowEntry, score=ShadowCache, lru=LruShadowCache)
+    @cython.locals(entry=ShadowEntry, score=ShadowCache, lru=ShadowCache)
     def _hold(self, workflow: str, agent: str | None, keys: Sequence, sizes: Sequence) -> None:
         """The workflow's call read these keys, and the cache now holds them all."""
         table = self.tables.get(workflow)
@@ -552,7 +583,7 @@ class OutcomeTrust:
         table = table or {}  # read only where `mine` is known, that is where the table is
         entries, locked, share, clock = self.entries, self.locked, self.share, self.clock
         score, lru = self.score_shadow, self.lru_shadow
-        score_held, lru_held, score_heap = score.held, lru.held, score.heap
+        score_held, lru_held = score.held, lru.held
         if self.by_node:
             self._shape(keys)
         # touched deepest first, so that a prefix is more recent than what extends it: the LRU
@@ -560,7 +591,7 @@ class OutcomeTrust:
         for key, size in zip(reversed(keys), reversed(sizes)):
             entry = entries.get(key)
             if entry is None:
-                entry = entries[key] = self.entry_type(size, workflow)
+                entry = entries[key] = self.entry_type(key, size, workflow)
             elif not entry.shared and entry.first != workflow:
                 entry.shared = True
             if mine is not None:
@@ -578,11 +609,9 @@ class OutcomeTrust:
             score_held[key] = charge
             lru.used += charge - lru_held.get(key, 0.0)
             lru_held[key] = charge
-            if key not in locked:
-                # ShadowCache.push, inlined: calling it made a pbkv trust=outcome replay about 6% slower
-                # (hover, 1,000 workflows; 5 alternated pairs, ratio 0.98-1.09, median 1.06; 2026-12-06)
-                heapq.heappush(score_heap, score_item(entry, key))
-                lru.push(key, entry)
+            is_locked = key in locked
+            score.reorder(entry, is_locked)
+            lru.reorder(entry, is_locked)
         self.clock = clock
 
     def _shape(self, keys: Sequence) -> None:
@@ -614,7 +643,7 @@ class OutcomeTrust:
     @cython.locals(entry=ShadowEntry, score_shadow=ShadowCache, lru_shadow=ShadowCache)
     def _refresh(self) -> None:
         """Read each revised workflow's v_w again: a retired one leaves its keys' readers, a new
-        prediction rescores its keys. Both change ranks, so the keys are pushed again."""
+        prediction rescores its keys. Both change ranks, so the keys move in the orders."""
         if not self._revised:
             return
         tables, values = self.tables, self.values
@@ -630,11 +659,11 @@ class OutcomeTrust:
                 for key in self.keys_of.pop(w):
                     entry = entries[key]
                     entry.drop_reader(w)
-                    if key not in locked:
-                        if key in score_shadow.held:
-                            score_shadow.push(key, entry)
-                        if not entry.readers and key in lru_shadow.held:
-                            lru_shadow.push(key, entry)
+                    is_locked = key in locked
+                    if key in score_shadow.held:
+                        score_shadow.reorder(entry, is_locked)
+                    if not entry.readers and key in lru_shadow.held:  # retired: its LRU rank changed too
+                        lru_shadow.reorder(entry, is_locked)
                 continue
             tables[w] = now
             for key in self.keys_of[w]:  # a new prediction: only the score's order changes
@@ -642,10 +671,10 @@ class OutcomeTrust:
                 if w not in entry.parts:
                     continue  # read without an agent (a call before any agent is known)
                 entry.set_part(w, now)
-                if key not in locked and key in score_shadow.held:
-                    score_shadow.push(key, entry)
+                if key in score_shadow.held:
+                    score_shadow.reorder(entry, key in locked)
 
-    @cython.locals(shadow=ShadowCache, other=ShadowCache, score=ShadowCache, lru=ShadowCache)
+    @cython.locals(shadow=ShadowCache, other=ShadowCache, score=ShadowCache, lru=ShadowCache, entry=ShadowEntry)
     def _make_room(self) -> None:
         """Each shadow over its capacity evicts by its own order down to (1 - slack) x its capacity;
         a key neither holds any more is forgotten."""
@@ -653,24 +682,22 @@ class OutcomeTrust:
         if score.used <= score.room() and lru.used <= lru.room():
             return
         self._refresh()
-        entries, locked = self.entries, self.locked
+        locked = self.locked
         for shadow, other in ((self.score_shadow, self.lru_shadow), (self.lru_shadow, self.score_shadow)):
             room = shadow.room()
             if shadow.used <= room:
                 continue
             target = (1 - self.slack) * room
             while shadow.used > target:
-                key = shadow.victim(entries, locked, self.by_node)
-                if key is None:
+                entry = shadow.victim(locked, self.by_node)
+                if entry is None:
                     break
                 if self.by_node:
-                    self._evict_node(shadow, other, key)
+                    self._evict_node(shadow, other, entry.key)
                     continue
-                shadow.evict(key)
-                if key not in other.held:
-                    self._forget(key)
-            if len(shadow.heap) > 2 * len(shadow.held) + 1024:
-                shadow.rebuild(entries, locked)
+                shadow.evict(entry)
+                if entry.key not in other.held:
+                    self._forget(entry.key)
 
     def _evict_node(self, shadow: ShadowCache, other: ShadowCache, leaf) -> None:
         """outcome_unit=node: evict `leaf` with the ancestors that form one node with it in the
@@ -682,7 +709,7 @@ class OutcomeTrust:
             chain.append(up)
             up = parent.get(up)
         for key in chain:
-            shadow.evict(key)
+            shadow.evict(self.entries[key])
             above = parent.get(key)
             if above is not None:
                 n = children.get(above, 0) - 1
@@ -693,7 +720,7 @@ class OutcomeTrust:
             if key not in other.held:
                 self._forget(key)
         if up is not None and up in held and up not in locked and not children.get(up):
-            shadow.push(up, self.entries[up])
+            shadow.place(self.entries[up])
 
     def _forget(self, key) -> None:
         entry = self.entries.pop(key)
@@ -802,8 +829,7 @@ class TimeOutcomeTrust(OutcomeTrust):
             entry.queued[workflow] = term
             entry.rescore()
             marked.append(key)
-            if key not in locked:
-                self.score_shadow.push(key, entry)
+            self.score_shadow.reorder(entry, key in locked)
         self.queued_keys[workflow] = marked
 
     def _unqueue(self, workflow: str) -> None:
@@ -812,8 +838,8 @@ class TimeOutcomeTrust(OutcomeTrust):
             entry = entries.get(key)
             if entry is not None and entry.queued.pop(workflow, None) is not None:
                 entry.rescore()
-                if key in held and key not in locked:
-                    self.score_shadow.push(key, entry)
+                if key in held:
+                    self.score_shadow.reorder(entry, key in locked)
 
     def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
         if keys and self.is_sampled(workflow):

@@ -65,7 +65,7 @@ def test_shadow_hits_and_keep_orders_by_hand():
 def test_a_prompt_hits_only_as_far_as_its_prefix_is_held():
     trust, _ = judge(capacity=100)
     run_call(trust, "w1", "a", ["P", "Q"], [10, 5])
-    trust.score_shadow.evict("P")  # a hole at the root of the chain
+    trust.score_shadow.evict(trust.entries["P"])  # a hole at the root of the chain
     trust.observe_call("w2", "b", ["P", "Q", "R"], [10, 5, 7])
     assert trust.score_shadow.total_hit_tokens == 0 and trust.lru_shadow.total_hit_tokens == 15
 
@@ -129,7 +129,7 @@ def test_without_a_host_tier_what_the_server_had_and_a_shadow_did_not_is_its_roo
 def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
     """After a random stream of calls (queued first, for pbkv_time's judge), inserts, new predictions
     and retirements, each shadow's heap yields its held, unlocked keys exactly in the order of
-    sorting them by their rank now."""
+    sorting them by their rank now, and each key's record knows its slot in each heap."""
     rng = random.Random(0)
     timed = judge_type is TimeOutcomeTrust
     table = lambda: {a: rng.choice([0.0, 0.5, rng.random()]) for a in "abc"}
@@ -164,12 +164,15 @@ def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
         "pbkv": lambda e: (1, e.score, e.stamp) if e.readers else (0, 0.0, e.stamp),
         "pbkv_lae": lambda e: (1 if e.readers else 0, e.stamp)}
     for shadow in trust.shadows:
+        slot = (lambda e: e.score_slot) if shadow.by_score else (lambda e: e.lru_slot)
+        assert [slot(e) for e in shadow.order] == list(range(len(shadow.order)))  # each record knows its slot
+        assert all(slot(e) == -1 for e in trust.entries.values() if e not in shadow.order)
         order = orders[shadow.name]
         expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: order(trust.entries[k]))
         popped = []
-        while (key := shadow.victim(trust.entries, trust.locked)) is not None:
-            popped.append(key)
-            shadow.evict(key)
+        while (entry := shadow.victim(trust.locked)) is not None:
+            popped.append(entry.key)
+            shadow.evict(entry)
         assert popped == expected, shadow.name
 
 

@@ -83,7 +83,7 @@ def test_the_declared_classes_are_extension_types_in_the_builds():
     from serving_integration.simulator import engine, radix
 
     for cls, field in ((radix.Node, "lock_ref"), (trust.ShadowEntry, "stamp"), (trust.TimeShadowEntry, "queued"),
-                       (trust.ShadowCache, "used"), (trust.LruShadowCache, "live"),
+                       (trust.ShadowCache, "used"), (trust.ShadowCache, "order"),
                        (trust.OutcomeTrust, "entries"), (trust.TimeOutcomeTrust, "queued_keys"),
                        (engine.Server, "waiting"), (engine.Request, "prefill_left"), (engine.Counters, "ttfts"),
                        (radix.RadixTree, "gpu_used"), (workload.SimCall, "lens"), (workload.SimWorkflow, "next_call"),
