@@ -125,17 +125,21 @@ def test_without_a_host_tier_what_the_server_had_and_a_shadow_did_not_is_its_roo
     assert held(trust) == (["A", "B", "D"], ["A", "B", "D"]) and trust.score_shadow.reserved == 0
 
 
-@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
-def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
-    """After a random stream of calls (queued first, for pbkv_time's judge), inserts, new predictions
-    and retirements, each shadow's heap yields its held, unlocked keys exactly in the order of
-    sorting them by their rank now, and each key's record knows its slot in each heap."""
+# lowest evicted first: retired keys first; then PBKV's ascending score, or LRU's; oldest first
+RANKS = {"pbkv": lambda e: (1, e.score, e.stamp) if e.readers else (0, 0.0, e.stamp),
+         "pbkv_lae": lambda e: (1 if e.readers else 0, e.stamp)}
+
+
+def streamed_judge(judge_type, **options):
+    """A judge after a random stream of calls (queued first, for pbkv_time's judge), inserts, new
+    predictions and retirements, over keys that six workflows share in part, in a cache of 60 tokens."""
     rng = random.Random(0)
     timed = judge_type is TimeOutcomeTrust
     table = lambda: {a: rng.choice([0.0, 0.5, rng.random()]) for a in "abc"}
     tables = {f"w{i}": (-rng.random() * 50, table()) if timed else table() for i in range(6)}
     live = set(tables)
-    trust = judge_type(TrustConfig(outcome_sample=1.0, outcome_slack=0.0), lambda w: tables[w] if w in live else None)
+    trust = judge_type(TrustConfig(outcome_sample=1.0, outcome_slack=0.0, **options),
+                       lambda w: tables[w] if w in live else None)
     trust.set_capacity(60)
     running = {}
     for step in range(400):
@@ -160,20 +164,51 @@ def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
     assert trust.locked and any(not e.readers for e in trust.entries.values())  # the stream reached both cases
     if timed:
         assert any(e.queued for e in trust.entries.values())
-    orders = {  # lowest evicted first: retired keys first; then PBKV's ascending score, or LRU's; oldest first
-        "pbkv": lambda e: (1, e.score, e.stamp) if e.readers else (0, 0.0, e.stamp),
-        "pbkv_lae": lambda e: (1 if e.readers else 0, e.stamp)}
+    return trust
+
+
+def assert_slots_are_known(trust, shadow):
+    """Each record in the shadow's heap knows its slot there, and every other record knows it is not in it."""
+    slot = (lambda e: e.score_slot) if shadow.by_score else (lambda e: e.lru_slot)
+    assert [slot(e) for e in shadow.order] == list(range(len(shadow.order)))
+    assert all(slot(e) == -1 for e in trust.entries.values() if e not in shadow.order)
+
+
+@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
+def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
+    """After a random stream, each shadow's heap yields its held, unlocked keys exactly in the order
+    of sorting them by their rank now, and each key's record knows its slot in each heap."""
+    trust = streamed_judge(judge_type)
     for shadow in trust.shadows:
-        slot = (lambda e: e.score_slot) if shadow.by_score else (lambda e: e.lru_slot)
-        assert [slot(e) for e in shadow.order] == list(range(len(shadow.order)))  # each record knows its slot
-        assert all(slot(e) == -1 for e in trust.entries.values() if e not in shadow.order)
-        order = orders[shadow.name]
-        expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: order(trust.entries[k]))
+        assert_slots_are_known(trust, shadow)
+        rank = RANKS[shadow.name]
+        expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: rank(trust.entries[k]))
         popped = []
         while (entry := shadow.victim(trust.locked)) is not None:
             popped.append(entry.key)
             shadow.evict(entry)
         assert popped == expected, shadow.name
+
+
+@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
+def test_node_shadows_evict_the_lowest_ranked_leaf_each_time(judge_type):
+    """outcome_unit=node: after a random stream (node evictions in it), each shadow's next victim is
+    always its lowest-ranked held, unlocked key without held children, while evicting node by node
+    empties it down to what is locked: a key that left the heap as a parent comes back as a leaf."""
+    trust = streamed_judge(judge_type, outcome_unit="node")
+    for shadow, other in ((trust.score_shadow, trust.lru_shadow), (trust.lru_shadow, trust.score_shadow)):
+        rank, evicted = RANKS[shadow.name], 0
+        while True:
+            assert_slots_are_known(trust, shadow)
+            leaves = [k for k in shadow.held if k not in trust.locked and not shadow.children.get(k)]
+            entry = shadow.victim(trust.locked, True)
+            if entry is None:
+                assert not leaves
+                break
+            assert entry.key == min(leaves, key=lambda k: rank(trust.entries[k])), shadow.name
+            trust._evict_node(shadow, other, entry.key)
+            evicted += 1
+        assert evicted > 3 and all(k in trust.locked or shadow.children.get(k) for k in shadow.held)
 
 
 def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
