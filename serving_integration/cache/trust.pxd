@@ -1,7 +1,7 @@
 # C declarations for the compiled build of trust.py (serving_integration/compiled.py): the shadows'
 # per-key records and caches become extension types, so the judge's hot loops read and write their
 # fields as C struct members, not through Python's attribute lookup. The fields keep trust.py's
-# types (object, or a C double where its value is a float throughout), so the compiled and
+# types (object, or a C double or integer where its value is one throughout), so the compiled and
 # interpreted judges agree to the bit (tests/simulator/test_compiled.py). Interpreted, this file is
 # not read.
 
@@ -13,8 +13,8 @@ cdef extern from "math.h":
     cpdef double log(double x)
 
 
-# A key's stamp (a count of touches) and score (a sum of float parts, or a log) are C numbers: the
-# heaps compare them on every sift
+# A key's stamp (a count of touches, an int) and score (a float: a sum of float parts, or a log) are C
+# numbers: the heaps compare them on every sift
 cdef class ShadowEntry:
     cdef public object key, size, first
     cdef public long long stamp

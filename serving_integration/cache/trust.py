@@ -200,8 +200,8 @@ class ShadowEntry:
         self.rescore()
 
     def rescore(self) -> None:
-        """The score from the parts (their sum)."""
-        self.score = sum(self.parts.values())
+        """The score from the parts (their sum; 0.0 for none, a float as every part is)."""
+        self.score = sum(self.parts.values(), 0.0)
 
 
 class TimeShadowEntry(ShadowEntry):
