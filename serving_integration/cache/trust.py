@@ -70,9 +70,9 @@ with many live workflows.
 
 Cost: incremental, O(log n) per key touched. Each shadow's order is an indexed binary heap of its
 keys' entries (`ShadowCache`): a change of a key's rank moves its entry in place, a locked key
-leaves the order when it reaches the top and comes back when unlocked. A new prediction or a retirement
-changes the ranks of one workflow's keys only: the ledger tells `revise(workflow)` and the next
-eviction pass rescores those keys. A full shadow evicts down to (1 - `outcome_slack`) x its
+leaves the order when it reaches the top and comes back when unlocked. A new prediction or a
+retirement changes the ranks of one workflow's keys only: the ledger tells `revise(workflow)` and
+the next eviction pass rescores those keys. A full shadow evicts down to (1 - `outcome_slack`) x its
 capacity. Unsampled calls cost one hash of the workflow id.
 A flip changes every node's priority at once: `observe_call` returns True and the simulator
 re-heapifies (RadixTree.reprioritize), as the accuracy meter's flips do.
