@@ -203,12 +203,12 @@ def test_node_shadows_evict_the_lowest_ranked_leaf_each_time(judge_type):
             leaves = [k for k in shadow.held if k not in trust.locked and not shadow.children.get(k)]
             entry = shadow.victim(trust.locked, True)
             if entry is None:
-                assert not leaves
+                assert not leaves  # what is left is locked or a parent of what is locked
                 break
             assert entry.key == min(leaves, key=lambda k: rank(trust.entries[k])), shadow.name
             trust._evict_node(shadow, other, entry.key)
             evicted += 1
-        assert evicted > 3 and all(k in trust.locked or shadow.children.get(k) for k in shadow.held)
+        assert evicted > 3
 
 
 def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
