@@ -14,13 +14,14 @@ cdef extern from "math.h":
 
 
 # A key's stamp (a count of touches, an int) and score (a float: a sum of float parts, or a log) are C
-# numbers: the heaps compare them on every sift
+# numbers: the heaps compare them on every sift; which shadows hold it, its charge and its locks are C
+# fields the judge reads where it would otherwise look the key up in a dict
 cdef class ShadowEntry:
     cdef public object key, size, first
     cdef public long long stamp
-    cdef public double score
-    cdef public Py_ssize_t score_slot, lru_slot
-    cdef public bint shared
+    cdef public double score, charge
+    cdef public Py_ssize_t score_slot, lru_slot, locks
+    cdef public bint shared, in_score, in_lru
     cdef public dict readers, parts
     cpdef set_part(self, workflow, table)
     cpdef drop_reader(self, workflow)
@@ -44,13 +45,15 @@ cdef class ShadowCache:
     cdef public list order
     cdef bint before(self, ShadowEntry a, ShadowEntry b) except -1
     cdef Py_ssize_t slot(self, ShadowEntry entry) noexcept
+    cpdef bint holds(self, ShadowEntry entry) except -1
+    cpdef hold(self, ShadowEntry entry, charge, double before)
     cdef int _put(self, ShadowEntry entry, Py_ssize_t i) except -1
     cdef bint _up(self, ShadowEntry entry, Py_ssize_t i) except -1
     cdef int _down(self, ShadowEntry entry, Py_ssize_t i) except -1
     cpdef place(self, ShadowEntry entry)
     cpdef drop(self, ShadowEntry entry)
     cpdef reorder(self, ShadowEntry entry, bint locked)
-    cpdef victim(self, dict locked, bint leaves_only=*)
+    cpdef victim(self, bint leaves_only=*)
     cpdef evict(self, ShadowEntry entry)
 
 
@@ -63,7 +66,7 @@ cdef class OutcomeTrust:
     cdef public object prompt_tokens, total_prompt_tokens, _dd, _dp, _pp, sampled_calls, trusted, switches
     cdef public object host_tier, cumulative, real_weight
     cdef public list _since, judged
-    cdef public dict parent, ends, entries, tables, keys_of, _revised, locked, running, _sampled
+    cdef public dict parent, ends, entries, tables, keys_of, _revised, running, _sampled
     cdef public ShadowCache score_shadow
     cdef public ShadowCache lru_shadow
     cpdef is_sampled(self, workflow)
@@ -72,6 +75,7 @@ cdef class OutcomeTrust:
     cpdef _refresh(self)
     cpdef _make_room(self)
     cpdef _forget(self, key)
+    cpdef list _hits(self, keys, sizes)
     cpdef list _judged_hits(self, list hits, gpu_cached)
     cpdef _decide(self)
 

@@ -72,8 +72,10 @@ Cost: incremental, O(log n) per key touched. Each shadow's order is an indexed b
 keys' entries (`ShadowCache`): a change of a key's rank moves its entry in place, a locked key
 leaves the order when it reaches the top and comes back when unlocked. A new prediction or a
 retirement changes the ranks of one workflow's keys only: the ledger tells `revise(workflow)` and
-the next eviction pass rescores those keys. A full shadow evicts down to (1 - `outcome_slack`) x its
-capacity. Unsampled calls cost one hash of the workflow id.
+the next eviction pass rescores those keys. A key's record also says which shadows hold it, at what
+charge, and how many running calls read it, so a touched key costs one dict lookup (its record's). A
+full shadow evicts down to (1 - `outcome_slack`) x its capacity. Unsampled calls cost one hash of
+the workflow id.
 A flip changes every node's priority at once: `observe_call` returns True and the simulator
 re-heapifies (RadixTree.reprioritize), as the accuracy meter's flips do.
 """
@@ -83,13 +85,11 @@ from __future__ import annotations
 import hashlib
 import math
 from math import exp, log  # compiled: the C library's, as trust.pxd declares (the same functions math calls)
-from itertools import accumulate
 from typing import Callable, Hashable, Protocol, Sequence
 
 import cython
 
 from serving_integration.cache.config import TrustConfig
-from serving_integration.cache.workload import prefix_tokens_in
 
 
 class Ledger(Protocol):
@@ -178,15 +178,24 @@ class ShadowEntry:
     """One content key as the shadows know it: the key, its tokens, the live sampled workflows (and
     their agents) that read it, the first sampled workflow that did and whether another one did too,
     when it was last touched, its score (the sum of its live readers' v_w over their agents), and
-    its place in each shadow's order (-1: not in it)."""
+    its place in each shadow's order (-1: not in it), which shadows hold it and at what charge (the
+    same in both: `OutcomeTrust._hold` charges both at once), and the running calls that read it.
+    The judge reads these fields where it would otherwise look the key up in a shadow's `held` or
+    in a dict of locks: a key's hash and a lookup in a dict of every held key cost more than the
+    rest of its work on most touches. A key a running call reads has an entry from the call's
+    admission on (`first` None until a call holds it), held or not."""
 
-    __slots__ = ("key", "size", "readers", "parts", "first", "shared", "stamp", "score", "score_slot", "lru_slot")
+    __slots__ = ("key", "size", "readers", "parts", "first", "shared", "stamp", "score", "score_slot", "lru_slot",
+                 "in_score", "in_lru", "charge", "locks")
 
     def __init__(self, key, size: int, first: str):
         self.key, self.size, self.first, self.shared, self.stamp, self.score = key, size, first, False, 0, 0.0
         self.readers: dict[str, dict[str, None]] = {}  # live sampled workflow -> its agents that read the key
         self.parts: dict[str, float] = {}  # live sampled workflow -> sum of its v_w over those agents
         self.score_slot = self.lru_slot = -1
+        self.in_score = self.in_lru = False  # held by the score shadow, by the LRU shadow
+        self.charge = 0.0  # the tokens each shadow that holds it charges for it
+        self.locks = 0  # running calls that read it (their paths are locked in the real tree)
 
     def set_part(self, workflow: str, table: dict) -> None:
         """A reader's part from its v_w `table`, and the score again (the sum of the parts)."""
@@ -276,9 +285,23 @@ class ShadowCache:
         """The tokens it may hold now: its capacity less its running calls' reservations."""
         return self.capacity - self.reserved
 
-    def hits(self, keys: Sequence, sizes: Sequence) -> int:
-        """Tokens of the longest held prefix of `keys`."""
-        return prefix_tokens_in(keys, sizes, self.held)
+    def holds(self, entry: ShadowEntry) -> bool:
+        """Whether this shadow holds `entry`'s key (its flag: `key in self.held`, without the lookup)."""
+        return entry.in_score if self.by_score else entry.in_lru
+
+    def hold(self, entry: ShadowEntry, charge, before: float) -> None:
+        """`entry`'s key held at `charge` tokens, where it was charged `before` if held already."""
+        if not self.holds(entry):
+            self.used += charge - 0.0
+            if self.by_score:
+                entry.in_score = True
+            else:
+                entry.in_lru = True
+        elif charge != before:
+            self.used += charge - before
+        else:
+            return  # held at that charge already: nothing changes
+        self.held[entry.key] = charge
 
     @cython.locals(a_live=cython.bint)
     def before(self, a: ShadowEntry, b: ShadowEntry) -> bool:
@@ -365,14 +388,14 @@ class ShadowCache:
             self.place(entry)
 
     @cython.locals(order=list, children=dict, entry=ShadowEntry)
-    def victim(self, locked: dict, leaves_only: bool = False):
+    def victim(self, leaves_only: bool = False):
         """The entry of the next key this order evicts (None: nothing evictable). A locked key, and
         with `leaves_only` a key with held children, leaves the order here (OutcomeTrust._release
         and _evict_node place it again)."""
         order, children = self.order, self.children
         while order:
             entry = order[0]
-            if entry.key in locked or (leaves_only and children.get(entry.key)):
+            if entry.locks or (leaves_only and children.get(entry.key)):
                 self.drop(entry)
                 continue
             return entry
@@ -381,6 +404,10 @@ class ShadowCache:
     def evict(self, entry: ShadowEntry) -> None:
         self.drop(entry)
         self.used -= self.held.pop(entry.key)
+        if self.by_score:
+            entry.in_score = False
+        else:
+            entry.in_lru = False
 
 
 def ratio_error(r: float, dd: float, dp: float, pp: float, total: float) -> float:
@@ -418,18 +445,16 @@ class OutcomeTrust:
         self.parent: dict[Hashable, Hashable | None] = {}
         self.ends: dict[Hashable, None] = {}
         self.decay = 1.0 - 1.0 / options.outcome_window
-        self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry, for keys held by either shadow
+        self.entries: dict[Hashable, ShadowEntry] = {}  # key -> ShadowEntry: held by either shadow, or locked
         self.clock = 0  # touches: each key's stamp
         self.score_shadow = ShadowCache("pbkv", 0.0, by_score=True)
         self.lru_shadow = ShadowCache("pbkv_lae", 0.0, by_score=False)
         self.shadows = (self.score_shadow, self.lru_shadow)
         # live sampled workflows with keys in the shadows: their v_w as last read, and their keys
         self.tables: dict[str, dict] = {}
-        self.keys_of: dict[str, dict[Hashable, None]] = {}
+        self.keys_of: dict[str, dict[Hashable, ShadowEntry]] = {}
         self._revised: dict[str, None] = {}  # tracked workflows whose v_w changed or that retired since
-        # keys of running calls (their paths are locked in the real tree): key -> running calls
-        # reading it; and each sampled workflow's running calls' keys, oldest first
-        self.locked: dict[Hashable, int] = {}
+        # each sampled workflow's running calls' keys (locked: ShadowEntry.locks), oldest first
         self.running: dict[str, list[Sequence]] = {}
         self.prompt_tokens = 0.0  # sampled prompt tokens, decayed like the hit counts
         # the hits the decision compares (score order, lifecycle-aware LRU), decayed: the shadows',
@@ -454,6 +479,11 @@ class OutcomeTrust:
             self.host_tier = host_tier
         for shadow in self.shadows:
             shadow.capacity = self.share * cache_tokens
+
+    @property
+    def locked(self) -> dict:
+        """The keys running calls read, with how many read each (ShadowEntry.locks; for inspection)."""
+        return {key: entry.locks for key, entry in self.entries.items() if entry.locks}
 
     # ---------------------------------------------------------------- accesses
 
@@ -489,12 +519,10 @@ class OutcomeTrust:
         prompt, decay = sum(sizes), self.decay
         self.prompt_tokens = self.prompt_tokens * decay + prompt
         self.total_prompt_tokens += prompt
-        hits = []
-        for shadow in self.shadows:
-            hit = shadow.hits(keys, sizes)
+        hits = self._hits(keys, sizes)
+        for shadow, hit in zip(self.shadows, hits):
             shadow.hit_tokens = shadow.hit_tokens * decay + hit
             shadow.total_hit_tokens += hit
-            hits.append(hit)
         judged, sums = self._judged_hits(hits, gpu_cached), self.judged
         sums[0] = sums[0] * decay + judged[0]
         sums[1] = sums[1] * decay + judged[1]
@@ -510,18 +538,47 @@ class OutcomeTrust:
             since[4] += prompt * prompt
             since[5] += 1
         loaded = cached if cached and self.host_tier else 0  # the prefix held from admission on
-        reserved = tuple(0 if cached is None else cached - max(hit, loaded) for hit in hits)
+        reserved = (0, 0) if cached is None else (cached - max(hits[0], loaded), cached - max(hits[1], loaded))
         for shadow, tokens in zip(self.shadows, reserved):
             shadow.reserved += tokens
         self.running.setdefault(workflow, []).append((keys, reserved))
-        locked = self.locked
-        for key in keys:
-            locked[key] = locked.get(key, 0) + 1
+        entries = self.entries
+        for key, size in zip(keys, sizes):
+            entry = entries.get(key)
+            if entry is None:
+                entry = entries[key] = self.entry_type(key, size, None)
+            entry.locks += 1
         if loaded:
-            n = next((i for i, total in enumerate(accumulate(sizes)) if total > loaded), len(sizes))
+            n, total = len(sizes), 0
+            for i, size in enumerate(sizes):  # the keys up to the first that ends past the loaded prefix
+                total += size
+                if total > loaded:
+                    n = i
+                    break
             self._hold(workflow, agent, keys[:n], sizes[:n])
         self._make_room()
         return self._decide()
+
+    @cython.locals(entry=ShadowEntry, in_score=cython.bint, in_lru=cython.bint)
+    def _hits(self, keys: Sequence, sizes: Sequence) -> list:
+        """Each shadow's hits on a prompt (score order, lifecycle-aware LRU): the tokens of its longest
+        held prefix of `keys`, both in one pass over the keys' entries."""
+        entries = self.entries
+        score_hits = lru_hits = 0
+        in_score = in_lru = True
+        for key, size in zip(keys, sizes):
+            entry = entries.get(key)
+            if entry is None:
+                break
+            in_score = in_score and entry.in_score
+            in_lru = in_lru and entry.in_lru
+            if not (in_score or in_lru):
+                break
+            if in_score:
+                score_hits += size
+            if in_lru:
+                lru_hits += size
+        return [score_hits, lru_hits]
 
     def _judged_hits(self, hits: list, gpu_cached) -> list:
         """The call's hits as the decision counts them: the shadows' (score order, lifecycle-aware LRU),
@@ -557,19 +614,22 @@ class OutcomeTrust:
         (those about to be held again are placed then, with their new rank); its reservations end."""
         for shadow, tokens in zip(self.shadows, reserved):
             shadow.reserved -= tokens
-        locked, entries = self.locked, self.entries
-        again = set(held_now)
+        entries, again = self.entries, None
         for key in keys:
-            n = locked[key] - 1
-            if n:
-                locked[key] = n
+            entry = entries[key]
+            entry.locks -= 1
+            if entry.locks:
                 continue
-            del locked[key]
-            entry = entries.get(key)
-            if entry is not None and key not in again:
-                for shadow in self.shadows:
-                    if key in shadow.held:
-                        shadow.place(entry)
+            if again is None:
+                again = set(held_now)
+            if key in again:
+                continue  # held again now (`_hold` places it with its new rank)
+            if not (entry.in_score or entry.in_lru):
+                del entries[key]  # only locked: no shadow held it
+                continue
+            for shadow in self.shadows:
+                if shadow.holds(entry):
+                    shadow.place(entry)
 
     @cython.locals(entry=ShadowEntry, score=ShadowCache, lru=ShadowCache)
     def _hold(self, workflow: str, agent: str | None, keys: Sequence, sizes: Sequence) -> None:
@@ -581,9 +641,8 @@ class OutcomeTrust:
                 self.tables[workflow], self.keys_of[workflow] = table, {}
         mine = self.keys_of.get(workflow) if table is not None else None
         table = table or {}  # read only where `mine` is known, that is where the table is
-        entries, locked, share, clock = self.entries, self.locked, self.share, self.clock
+        entries, share, clock = self.entries, self.share, self.clock
         score, lru = self.score_shadow, self.lru_shadow
-        score_held, lru_held = score.held, lru.held
         if self.by_node:
             self._shape(keys)
         # touched deepest first, so that a prefix is more recent than what extends it: the LRU
@@ -592,24 +651,26 @@ class OutcomeTrust:
             entry = entries.get(key)
             if entry is None:
                 entry = entries[key] = self.entry_type(key, size, workflow)
+            elif entry.first is None:  # only locked until now
+                entry.first = workflow
             elif not entry.shared and entry.first != workflow:
                 entry.shared = True
             if mine is not None:
                 agents = entry.readers.get(workflow)
                 if agents is None:
                     agents = entry.readers[workflow] = {}
-                    mine[key] = None
+                    mine[key] = entry
                 if agent is not None and agent not in agents:
                     agents[agent] = None
                     entry.set_part(workflow, table)
             clock += 1
             entry.stamp = clock
             charge = size * share if entry.shared else size
-            score.used += charge - score_held.get(key, 0.0)  # both shadows hold it (inlined: the hot loop)
-            score_held[key] = charge
-            lru.used += charge - lru_held.get(key, 0.0)
-            lru_held[key] = charge
-            is_locked = key in locked
+            before = entry.charge  # both shadows hold it, at this charge
+            score.hold(entry, charge, before)
+            lru.hold(entry, charge, before)
+            entry.charge = charge
+            is_locked = entry.locks != 0
             score.reorder(entry, is_locked)
             lru.reorder(entry, is_locked)
         self.clock = clock
@@ -649,30 +710,27 @@ class OutcomeTrust:
         tables, values = self.tables, self.values
         changed = [(w, values(w)) for w in self._revised if w in tables]
         self._revised = {}
-        entries, locked = self.entries, self.locked
         score_shadow, lru_shadow = self.score_shadow, self.lru_shadow
         for w, now in changed:
             if now is None:  # retired: its keys lose a reader, and may become retired keys
                 del tables[w]
                 for keys, reserved in self.running.pop(w, ()):  # a call the server never finished (aborted)
                     self._release(keys, reserved, ())
-                for key in self.keys_of.pop(w):
-                    entry = entries[key]
+                for key, entry in self.keys_of.pop(w).items():
                     entry.drop_reader(w)
-                    is_locked = key in locked
-                    if key in score_shadow.held:
+                    is_locked = entry.locks != 0
+                    if entry.in_score:
                         score_shadow.reorder(entry, is_locked)
-                    if not entry.readers and key in lru_shadow.held:  # retired: its LRU rank changed too
+                    if not entry.readers and entry.in_lru:  # retired: its LRU rank changed too
                         lru_shadow.reorder(entry, is_locked)
                 continue
             tables[w] = now
-            for key in self.keys_of[w]:  # a new prediction: only the score's order changes
-                entry = entries[key]
+            for key, entry in self.keys_of[w].items():  # a new prediction: only the score's order changes
                 if w not in entry.parts:
                     continue  # read without an agent (a call before any agent is known)
                 entry.set_part(w, now)
-                if key in score_shadow.held:
-                    score_shadow.reorder(entry, key in locked)
+                if entry.in_score:
+                    score_shadow.reorder(entry, entry.locks != 0)
 
     @cython.locals(shadow=ShadowCache, other=ShadowCache, score=ShadowCache, lru=ShadowCache, entry=ShadowEntry)
     def _make_room(self) -> None:
@@ -682,34 +740,34 @@ class OutcomeTrust:
         if score.used <= score.room() and lru.used <= lru.room():
             return
         self._refresh()
-        locked = self.locked
         for shadow, other in ((self.score_shadow, self.lru_shadow), (self.lru_shadow, self.score_shadow)):
             room = shadow.room()
             if shadow.used <= room:
                 continue
             target = (1 - self.slack) * room
             while shadow.used > target:
-                entry = shadow.victim(locked, self.by_node)
+                entry = shadow.victim(self.by_node)
                 if entry is None:
                     break
                 if self.by_node:
                     self._evict_node(shadow, other, entry.key)
                     continue
                 shadow.evict(entry)
-                if entry.key not in other.held:
+                if not other.holds(entry):
                     self._forget(entry.key)
 
     def _evict_node(self, shadow: ShadowCache, other: ShadowCache, leaf) -> None:
         """outcome_unit=node: evict `leaf` with the ancestors that form one node with it in the
         server's tree (each the only held child's parent, not a sequence's end, not locked), as
         SGLang evicts a leaf node whole; the ancestor left above, once a leaf, joins the order."""
-        parent, ends, children, held, locked = self.parent, self.ends, shadow.children, shadow.held, self.locked
+        parent, ends, children, held, entries = self.parent, self.ends, shadow.children, shadow.held, self.entries
         chain, up = [leaf], parent.get(leaf)
-        while up is not None and up in held and children.get(up) == 1 and up not in ends and up not in locked:
+        while up is not None and up in held and children.get(up) == 1 and up not in ends and not entries[up].locks:
             chain.append(up)
             up = parent.get(up)
         for key in chain:
-            shadow.evict(self.entries[key])
+            entry = entries[key]
+            shadow.evict(entry)
             above = parent.get(key)
             if above is not None:
                 n = children.get(above, 0) - 1
@@ -717,10 +775,10 @@ class OutcomeTrust:
                     children[above] = n
                 else:
                     children.pop(above, None)
-            if key not in other.held:
+            if not other.holds(entry):
                 self._forget(key)
-        if up is not None and up in held and up not in locked and not children.get(up):
-            shadow.place(self.entries[up])
+        if up is not None and up in held and not entries[up].locks and not children.get(up):
+            shadow.place(entries[up])
 
     def _forget(self, key) -> None:
         entry = self.entries.pop(key)
@@ -820,26 +878,26 @@ class TimeOutcomeTrust(OutcomeTrust):
         if not keys or not self.is_sampled(workflow):
             return
         self._unqueue(workflow)
-        entries, held, locked = self.entries, self.score_shadow.held, self.locked
+        entries = self.entries
         marked = []
         for key in keys:
-            if key not in held:
+            entry = entries.get(key)
+            if entry is None or not entry.in_score:
                 break  # the cached prefix ends here, as the real tree's path does
-            entry = entries[key]
             entry.queued[workflow] = term
             entry.rescore()
             marked.append(key)
-            self.score_shadow.reorder(entry, key in locked)
+            self.score_shadow.reorder(entry, entry.locks != 0)
         self.queued_keys[workflow] = marked
 
     def _unqueue(self, workflow: str) -> None:
-        entries, held, locked = self.entries, self.score_shadow.held, self.locked
+        entries = self.entries
         for key in self.queued_keys.pop(workflow, ()):
             entry = entries.get(key)
             if entry is not None and entry.queued.pop(workflow, None) is not None:
                 entry.rescore()
-                if key in held:
-                    self.score_shadow.reorder(entry, key in locked)
+                if entry.in_score:
+                    self.score_shadow.reorder(entry, entry.locks != 0)
 
     def observe_insert(self, workflow: str, keys: Sequence, sizes: Sequence, agent: str | None = None) -> None:
         if keys and self.is_sampled(workflow):

@@ -3,6 +3,7 @@ hand on a tiny sequence, their incremental orders against a full sort, the locks
 running calls, the workflow sample, and the decision with its hysteresis."""
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -174,6 +175,32 @@ def assert_slots_are_known(trust, shadow):
     assert all(slot(e) == -1 for e in trust.entries.values() if e not in shadow.order)
 
 
+@pytest.mark.parametrize("unit", ["key", "node"])
+@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
+def test_each_record_knows_what_holds_and_locks_its_key(judge_type, unit):
+    """After a random stream, a key's record says which shadows hold it, at the charge they hold it
+    at, and how many running calls read it (what the judge reads instead of looking the key up), and
+    the judge keeps a record for exactly the keys a shadow holds or a running call reads."""
+    trust = streamed_judge(judge_type, outcome_unit=unit)
+    running = Counter(key for calls in trust.running.values() for keys, _ in calls for key in keys)
+    assert running and set(trust.entries) == set(trust.score_shadow.held) | set(trust.lru_shadow.held) | set(running)
+    for key, entry in trust.entries.items():
+        assert (entry.in_score, entry.in_lru) == (key in trust.score_shadow.held, key in trust.lru_shadow.held)
+        assert all(shadow.held[key] == entry.charge for shadow in trust.shadows if key in shadow.held)
+        assert entry.locks == running[key]
+
+
+def test_an_aborted_call_leaves_no_record_of_what_it_only_locked():
+    trust, live = judge()
+    run_call(trust, "w1", "c", ["X"], [4])
+    trust.observe_call("w1", "c", ["X", "F"], [4, 4], None)  # admitted; F is in no shadow
+    assert trust.locked == {"X": 1, "F": 1} and set(trust.entries) == {"X", "F"}
+    del live["w1"]  # retired before the call finished (aborted)
+    trust.revise("w1")
+    trust._refresh()
+    assert not trust.locked and set(trust.entries) == {"X"}
+
+
 @pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
 def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
     """After a random stream, each shadow's heap yields its held, unlocked keys exactly in the order
@@ -184,7 +211,7 @@ def test_the_incremental_orders_are_the_orders_a_full_sort_gives(judge_type):
         rank = RANKS[shadow.name]
         expected = sorted((k for k in shadow.held if k not in trust.locked), key=lambda k: rank(trust.entries[k]))
         popped = []
-        while (entry := shadow.victim(trust.locked)) is not None:
+        while (entry := shadow.victim()) is not None:
             popped.append(entry.key)
             shadow.evict(entry)
         assert popped == expected, shadow.name
@@ -201,7 +228,7 @@ def test_node_shadows_evict_the_lowest_ranked_leaf_each_time(judge_type):
         while True:
             assert_slots_are_known(trust, shadow)
             leaves = [k for k in shadow.held if k not in trust.locked and not shadow.children.get(k)]
-            entry = shadow.victim(trust.locked, True)
+            entry = shadow.victim(True)
             if entry is None:
                 assert not leaves  # what is left is locked or a parent of what is locked
                 break
