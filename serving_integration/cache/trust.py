@@ -292,7 +292,7 @@ class ShadowCache:
     def hold(self, entry: ShadowEntry, charge, before: float) -> None:
         """`entry`'s key held at `charge` tokens, where it was charged `before` if held already."""
         if not self.holds(entry):
-            self.used += charge - 0.0
+            self.used += charge
             if self.by_score:
                 entry.in_score = True
             else:
