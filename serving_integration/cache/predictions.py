@@ -207,7 +207,7 @@ class PrefixTable:
             return None
         if key not in self._derived:
             self._derived[key] = tuple(derive(self.probs, self._all_times()))
-        return [a[index] for a in self._derived[key]]
+        return [table_rows(a, index) for a in self._derived[key]]
 
     def lookup_folded(self, workflows, gamma: float) -> Folded | None:
         """The folded rows (`fold`, computed once for the whole table) of these workflows."""
@@ -217,8 +217,13 @@ class PrefixTable:
         if gamma not in self._folded:
             self._folded[gamma] = (fold(self.probs, gamma).packed(), self.probs.shape[-1] - 1)
         packed, n_agents = self._folded[gamma]
-        rows = packed[index[0]:index[0] + 1] if len(index) == 1 else packed[index]  # one row: a view
-        return Folded.unpack(rows, n_agents)
+        return Folded.unpack(table_rows(packed, index), n_agents)
+
+
+def table_rows(array: np.ndarray, index: list[int]) -> np.ndarray:
+    """These rows of a table's array: one row as a view (most scheduler steps finish one call; a
+    list index copies, after converting the list), more as a copy."""
+    return array[index[0]:index[0] + 1] if len(index) == 1 else array[index]
 
 
 class _Prefix:

@@ -34,7 +34,7 @@ cdef class TimeShadowEntry(ShadowEntry):
     cpdef rescore(self)
 
 
-cpdef double log_sum_exp(list terms)
+cpdef double log_sum_exp(terms, more=*)
 
 
 cdef class ShadowCache:

@@ -229,27 +229,37 @@ class TimeShadowEntry(ShadowEntry):
     def set_part(self, workflow: str, table: tuple) -> None:
         offset, values = table
         part = agents_value(values, self.readers[workflow])
-        self.parts[workflow] = offset + log(part) if part > 0 else -math.inf
-        self.rescore()
+        term = self.parts[workflow] = offset + log(part) if part > 0 else -math.inf
+        if len(self.parts) == 1 and not self.queued:
+            self.score = term  # one term: log_sum_exp gives it as it is
+        else:
+            self.rescore()
 
     def rescore(self) -> None:
-        self.score = log_sum_exp([*self.queued.values(), *self.parts.values()])  # the policy's order of terms
+        self.score = log_sum_exp(self.queued.values(), self.parts.values())  # the policy's order of terms
 
 
-@cython.locals(top=cython.double, total=cython.double, x=cython.double)
-def log_sum_exp(terms: list[float]) -> float:
-    """log(sum(exp(x))) over `terms` without overflow (-inf for none); one term is returned as it
-    is, so a key with one reader has exactly that reader's term, as in policies.PBKVTime."""
-    if not terms:
-        return -math.inf
-    top = -math.inf
-    for x in terms:  # max(terms), in C when compiled
+@cython.locals(top=cython.double, total=cython.double, x=cython.double, n=cython.Py_ssize_t)
+def log_sum_exp(terms, more=()) -> float:
+    """log(sum(exp(x))) over `terms` and then `more` (floats; two sequences, so that a caller
+    whose terms are in two dicts builds no list of them) without overflow (-inf for none); one term
+    is returned as it is, so a key with one reader has exactly that reader's term, as in
+    policies.PBKVTime."""
+    top, n = -math.inf, 0
+    for x in terms:  # the max, in C when compiled
+        n += 1
         if x > top:
             top = x
-    if len(terms) == 1 or top == -math.inf:
+    for x in more:
+        n += 1
+        if x > top:
+            top = x
+    if n <= 1 or top == -math.inf:
         return top
     total = 0.0  # summed in a loop, as sum() does on Python 3.11 (a compiled loop, no generator)
     for x in terms:
+        total += exp(x - top)
+    for x in more:
         total += exp(x - top)
     return top + log(total)
 

@@ -2,6 +2,7 @@
 hand on a tiny sequence, their incremental orders against a full sort, the locks and capacity of
 running calls, the workflow sample, and the decision with its hysteresis."""
 
+import math
 import random
 from collections import Counter
 
@@ -9,7 +10,7 @@ import pytest
 
 from data.errors import ConfigError
 from serving_integration.cache.config import TrustConfig
-from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, sampled
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, sampled
 
 VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent], as PBKV's ledger folds them
 
@@ -238,6 +239,43 @@ def test_node_shadows_evict_the_lowest_ranked_leaf_each_time(judge_type):
         assert evicted > 3
 
 
+@pytest.mark.parametrize("judge_type", [OutcomeTrust, TimeOutcomeTrust])
+def test_each_records_score_is_its_readers_value_made_again(judge_type):
+    """After a random stream, each record's score is the one its live readers' tables give, made
+    again from scratch: pbkv's the sum of their parts, first reader first; pbkv_time's the
+    log-sum-exp of its queued terms and then its readers' terms, however the record got there (a
+    reader's part alone, kept as it is, or the terms summed again)."""
+    trust = streamed_judge(judge_type)
+    timed = judge_type is TimeOutcomeTrust
+    one_term = several = 0
+    for entry in trust.entries.values():
+        parts = {}
+        for w in entry.parts:
+            offset, table = trust.tables[w] if timed else (None, trust.tables[w])
+            part = agents_value(table, entry.readers[w])
+            parts[w] = (offset + math.log(part) if part > 0 else -math.inf) if timed else part
+        assert entry.parts == parts
+        terms = [*entry.queued.values(), *parts.values()] if timed else list(parts.values())
+        assert entry.score == (log_sum_exp(terms) if timed else sum(terms, 0.0))
+        one_term += len(terms) == 1
+        several += len(terms) > 1
+    assert one_term and (several or not timed)  # pbkv_time's stream reached both (queued terms make several)
+
+
+def test_log_sum_exp_reads_its_two_sequences_as_one():
+    """Two sequences of terms are the terms of both, in order (to the bit); one term is given as it
+    is, none gives -inf; the value is log(sum(exp(x)))."""
+    rng = random.Random(3)
+    for _ in range(200):
+        terms = [rng.choice([-math.inf, rng.uniform(-40, 5)]) for _ in range(rng.randint(0, 6))]
+        cut = rng.randint(0, len(terms))
+        assert log_sum_exp(terms[:cut], terms[cut:]) == log_sum_exp(terms)
+        finite = [x for x in terms if x > -math.inf]
+        if finite:
+            assert log_sum_exp(terms) == pytest.approx(math.log(sum(math.exp(x) for x in finite)), rel=1e-12)
+    assert log_sum_exp([], [-3.25]) == -3.25 and log_sum_exp([]) == -math.inf
+
+
 def test_a_key_shared_by_sampled_workflows_is_charged_its_share():
     trust, _ = judge(capacity=1000, outcome_sample=0.5)
     assert trust.lru_shadow.capacity == 1000
@@ -372,6 +410,23 @@ def test_pbkv_time_judge_keeps_the_queued_calls_keys_until_the_call_finishes():
     trust.observe_insert("w3", ["Z"], [4], "a")  # the call finished: its queue term goes
     assert "w3" not in trust.queued_keys and entries["Z"].score == -math.inf
     assert trust.report()["following"] == "pbkv_time"
+
+
+def test_pbkv_time_judge_rescores_a_queued_key_with_its_readers_new_prediction():
+    """A key one workflow read and another waits to read: its score is the log-sum-exp of the queued
+    term and the reader's term, and a new prediction of the reader changes only the reader's term."""
+    tables = {"w1": (-1.0, {"a": 0.5}), "w2": (0.0, {"a": 0.25})}
+    trust = TimeOutcomeTrust(TrustConfig(outcome_sample=1.0, outcome_slack=0.0, outcome_min_calls=10**6),
+                             lambda w: tables.get(w))
+    trust.set_capacity(12)
+    run_call(trust, "w1", "a", ["X"], [4])
+    trust.observe_queued("w2", ["X"], -0.5)
+    x = trust.entries["X"]
+    assert x.score == log_sum_exp([-0.5, -1.0 + math.log(0.5)])
+    tables["w1"] = (-2.0, {"a": 0.25})
+    trust.revise("w1")
+    trust._refresh()
+    assert x.parts == {"w1": -2.0 + math.log(0.25)} and x.score == log_sum_exp([-0.5, -2.0 + math.log(0.25)])
 
 
 def test_node_unit_shadows_evict_a_leaf_with_its_node_as_the_server_tree_does():
