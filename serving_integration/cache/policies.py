@@ -765,7 +765,7 @@ class PBKVTime(_JudgedPolicy):
     def log_value(self, node_id: int) -> float:
         """log V(c) (-inf where no term reaches the node)."""
         users = self.ledger.users.get(node_id)
-        terms = list(self.queued_on.get(node_id, {}).values())
+        terms = []  # the users' terms, after the queued calls' (log_sum_exp reads both in that order)
         predicted, busy = self.predicted, self.busy
         for w, agents in (users or {}).items():
             known = predicted.get(w)
@@ -776,7 +776,7 @@ class PBKVTime(_JudgedPolicy):
             part = agents_value(table, agents)
             if part > 0:
                 terms.append(offset + math.log(part))
-        return log_sum_exp(terms)
+        return log_sum_exp(self.queued_on.get(node_id, {}).values(), terms)
 
     def priority(self, node):
         if self.ledger.is_retired(node.id):
