@@ -58,7 +58,7 @@ import torch
 from data.knobs import build
 from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MODES, TRUST_MODES, KvflowConfig, \
     PbkvConfig, TlruConfig, TrustConfig
-from serving_integration.cache.predictions import Folded, fold, step_weights
+from serving_integration.cache.predictions import LedgerRow, fold, ledger_rows, step_weights
 from serving_integration.cache.trust import TrustMeter  # noqa: F401  (re-exported)
 from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, make_trust
 
@@ -322,37 +322,30 @@ class WorkflowLedger:
         (KVFlow); without it, the first k at which the agent is the likeliest and more likely
         than END. Returns the nodes whose score changed, and every node of a workflow whose
         steps-to-execution changed (a policy's `changed_by` says which of them it reorders)."""
-        return self.set_folded(workflows, agent_names, fold(probs, self.gamma), steps)
+        return self.set_rows(workflows, agent_names, ledger_rows(fold(probs, self.gamma), agent_names), steps)
 
-    def set_folded(self, workflows: Sequence[str], agent_names: Sequence[str], folded: Folded,
-                   steps: Sequence[dict[str, int]] | None = None) -> Changed:
-        """`set_predictions` from predictions already folded (`fold`, with this ledger's gamma)."""
-        likeliest, beats_end = folded.likeliest.tolist(), folded.beats_end.tolist()
+    def set_rows(self, workflows: Sequence[str], agent_names: Sequence[str], rows: Sequence[LedgerRow],
+                 steps: Sequence[dict[str, int]] | None = None) -> Changed:
+        """`set_predictions` from predictions already folded (`fold`, with this ledger's gamma) into
+        rows (`ledger_row`: a PrefixTable's, or `ledger_rows`); `steps` replaces the rows' own."""
         columns = self._columns_of(agent_names)
         width = len(self.columns) + 1  # the last column: the rows' padding, 0
-        values, nexts = folded.value.tolist(), folded.next.tolist()
         changed = Changed([], [])
-        given = steps if steps is not None else [None] * len(workflows)
-        for i, (w, w_steps) in enumerate(zip(workflows, given)):
+        for i, w in enumerate(workflows):
             if w not in self.nodes_of:
                 continue
-            self.reuse_value[w] = dict(zip(agent_names, values[i]))
+            row = rows[i]
+            self.reuse_value[w] = row.reuse
             for listener in self.listeners:
                 listener(w)
-            self.next_value[w] = dict(zip(agent_names, nexts[i]))  # s^(1) = 1
-            if w_steps is None:
-                w_steps = {}
-                for k, (a, alive_k) in enumerate(zip(likeliest[i], beats_end[i]), start=1):
-                    if alive_k:
-                        w_steps.setdefault(agent_names[int(a)], k)
-            else:
-                w_steps = dict(w_steps)
+            self.next_value[w] = row.next  # s^(1) = 1
+            w_steps = row.steps if steps is None else dict(steps[i])
             if self.steps_to.get(w) != w_steps:
                 changed.steps.extend(self.nodes_of[w])
             self.steps_to[w] = w_steps
             self.unchecked[w] = None
             by_column = [0.0] * width
-            for c, v in zip(columns, values[i]):
+            for c, v in zip(columns, row.value):
                 by_column[c] = v
             changed.scores.extend(self._rescore_workflow(w, self._rows[w], by_column))
         return changed
@@ -414,6 +407,9 @@ class EvictionPolicy:
     reads_times: ClassVar[bool] = False  # True: told each batch of predictions with its times (on_predictions)
 
     def priority(self, node: CacheNode) -> tuple:
+        """The node's place in the eviction order, smaller first: a tuple of the same length for
+        every node (the simulator's tree compares its items followed by an entry number,
+        radix.RadixTree)."""
         raise NotImplementedError
 
     def on_evict(self, node: CacheNode) -> None:

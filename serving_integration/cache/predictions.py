@@ -82,14 +82,39 @@ class Folded(NamedTuple):
     beats_end: np.ndarray
 
     def packed(self) -> np.ndarray:
-        """The four as the columns of one float64 array (a table's rows are then one gather)."""
+        """The four as the columns of one float64 array (a row is then one list: `ledger_row`)."""
         return np.concatenate([self.value, self.next, self.likeliest, self.beats_end], axis=1, dtype=np.float64)
 
-    @staticmethod
-    def unpack(rows: np.ndarray, n_agents: int) -> "Folded":
-        """Views of packed rows (likeliest and beats_end as floats: 3.0 is agent 3, 1.0 is True)."""
-        a, k = n_agents, (rows.shape[1] - 2 * n_agents) // 2
-        return Folded(rows[:, :a], rows[:, a:2 * a], rows[:, 2 * a:2 * a + k], rows[:, 2 * a + k:])
+
+class LedgerRow(NamedTuple):
+    """One workflow's folded prediction as the cache's ledger keeps it (policies.WorkflowLedger),
+    in Python objects: `value`, v_w over the source's agents in their order (Folded.value's row);
+    `reuse` and `next`, agent -> v_w and agent -> P^(1); `steps`, agent -> the first k at which it
+    is the likeliest agent and more likely than END (its steps-to-execution)."""
+
+    value: list
+    reuse: dict
+    next: dict
+    steps: dict
+
+
+def ledger_row(packed: list, n_agents: int, agent_names: Sequence[str]) -> LedgerRow:
+    """A LedgerRow from one packed row (`Folded.packed`, as a list: likeliest and beats_end as
+    floats, 3.0 is agent 3, 1.0 is True); `agent_names` the source's (at least n_agents of them)."""
+    a = n_agents
+    k = (len(packed) - 2 * a) // 2
+    value, likeliest, beats_end = packed[:a], packed[2 * a:2 * a + k], packed[2 * a + k:]
+    steps: dict[str, int] = {}
+    for step, (agent, alive) in enumerate(zip(likeliest, beats_end), start=1):
+        if alive:
+            steps.setdefault(agent_names[int(agent)], step)
+    return LedgerRow(value, dict(zip(agent_names, value)), dict(zip(agent_names, packed[a:2 * a])), steps)
+
+
+def ledger_rows(folded: Folded, agent_names: Sequence[str]) -> list[LedgerRow]:
+    """Every row of `folded` as a LedgerRow (through its packed rows: the same floats)."""
+    n_agents = folded.value.shape[1]
+    return [ledger_row(row, n_agents, agent_names) for row in folded.packed().tolist()]
 
 
 _DISCOUNTS: dict[tuple[float, int], np.ndarray] = {}
@@ -147,7 +172,8 @@ class PrefixTable:
         self._times, self.seconds = times, None
         if times is None:
             self._workflows = []
-        self._folded: dict[float, tuple[np.ndarray, int]] = {}  # gamma -> (packed Folded rows, agents)
+        # gamma -> (packed Folded rows, agents, blocks of those rows as lists: packed_row)
+        self._folded: dict[float, tuple[np.ndarray, int, dict[int, list]]] = {}
         self._derived: dict[Hashable, tuple[np.ndarray, ...]] = {}  # key -> lookup_derived's arrays
 
     def _prefix_batches(self):
@@ -209,15 +235,33 @@ class PrefixTable:
             self._derived[key] = tuple(derive(self.probs, self._all_times()))
         return [table_rows(a, index) for a in self._derived[key]]
 
-    def lookup_folded(self, workflows, gamma: float) -> Folded | None:
-        """The folded rows (`fold`, computed once for the whole table) of these workflows."""
+    def lookup_rows(self, workflows, gamma: float, agent_names: Sequence[str]) -> list[LedgerRow] | None:
+        """The folded rows (`fold`, computed once for the whole table) of these workflows, as the
+        ledger keeps them (`ledger_row`; `agent_names`: the source's)."""
         index = self.index(workflows)
         if index is None:
             return None
         if gamma not in self._folded:
-            self._folded[gamma] = (fold(self.probs, gamma).packed(), self.probs.shape[-1] - 1)
-        packed, n_agents = self._folded[gamma]
-        return Folded.unpack(table_rows(packed, index), n_agents)
+            self._folded[gamma] = (fold(self.probs, gamma).packed(), self.probs.shape[-1] - 1, {})
+        packed, n_agents, blocks = self._folded[gamma]
+        return [ledger_row(packed_row(packed, blocks, i), n_agents, agent_names) for i in index]
+
+
+ROW_BLOCK = 256  # packed rows made Python lists at once (one tolist for a block, not four per lookup)
+ROW_BLOCKS_KEPT = 32  # blocks kept (the oldest made goes first): the live workflows' rows, not the table's
+
+
+def packed_row(packed: np.ndarray, blocks: dict[int, list], i: int) -> list:
+    """Row `i` of a packed table as a list of floats, from the block of ROW_BLOCK rows that holds it,
+    made once (a table's rows are read in about the order the workflows arrive; a block made again
+    after it was dropped gives the same floats)."""
+    b = i // ROW_BLOCK
+    block = blocks.get(b)
+    if block is None:
+        if len(blocks) >= ROW_BLOCKS_KEPT:
+            del blocks[next(iter(blocks))]
+        block = blocks[b] = packed[b * ROW_BLOCK:(b + 1) * ROW_BLOCK].tolist()
+    return block[i - b * ROW_BLOCK]
 
 
 def table_rows(array: np.ndarray, index: list[int]) -> np.ndarray:
@@ -265,9 +309,10 @@ class _Tabled:
                 return probs
         return self.predict_uncached(workflows)
 
-    def predict_folded(self, workflows, gamma: float) -> Folded | None:
-        """The predictions already folded for the cache (`fold`), from the table; None without one."""
-        return self.table.lookup_folded(workflows, gamma) if self.table is not None else None
+    def predict_rows(self, workflows, gamma: float) -> list[LedgerRow] | None:
+        """The predictions already folded for the cache's ledger (`fold`, `ledger_row`), from the
+        table; None without one."""
+        return self.table.lookup_rows(workflows, gamma, self.agent_names) if self.table is not None else None
 
     def predict_derived(self, workflows, key: Hashable, derive: Callable) -> list[np.ndarray] | None:
         """`derive(probs, seconds)` of the predictions, from the table (PrefixTable.lookup_derived);

@@ -631,16 +631,16 @@ class Server:
         started = time.perf_counter()
         ids, names = [w.id for w in batch], predictions.agent_names
         graph_steps = getattr(predictions, "steps_to_execution", None)  # an agent step graph (KVFlow)
-        tabled = getattr(predictions, "predict_folded", None)
-        folded = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
+        tabled = getattr(predictions, "predict_rows", None)
+        rows = tabled(batch, self.ledger.gamma) if tabled is not None and graph_steps is None else None
         values = None
-        if folded is not None and self.policy.reads_times:  # pbkv_time: each step's P^(k) and time, tabled too
+        if rows is not None and self.policy.reads_times:  # pbkv_time: each step's P^(k) and time, tabled too
             values = predictions.predict_derived(batch, self.policy.values_key, self.policy.step_values)
-            folded = folded if values is not None else None
+            rows = rows if values is not None else None
         steps = None
-        if folded is not None:  # computed before the replay, already folded for the ledger
+        if rows is not None:  # computed before the replay, already folded for the ledger
             measured = time.perf_counter() - started
-            changed = self.ledger.set_folded(ids, names, folded)
+            changed = self.ledger.set_rows(ids, names, rows)
             if values is not None:
                 self.tree.refresh_ids(self.policy.on_step_values(ids, names, *values, self.now))
         else:

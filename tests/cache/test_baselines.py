@@ -215,7 +215,7 @@ def test_kvflow_step_update_leaves_the_heaps_as_a_rebuild_would(hicache_ratio):
             super().reprioritize_ids(node_ids)
             if not node_ids:
                 return
-            held = {seq: priority for priority, seq, _ in self._gpu_heap}
+            held = {entry[-2]: entry[:-2] for entry in self._gpu_heap}  # (*priority, entry number, node)
             for node in self.nodes():
                 if self.gpu_evictable(node):
                     assert held[node._gpu_entry] == self.priority(node), f"{node}: a stale priority in the heap"

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from data.generators import Hover, SweBench
 from serving_integration.simulator.cost_model import CostModel
-from serving_integration.cache.predictions import AgentStepGraph, ModelSource, PerfectSource, vocabulary
+from serving_integration.cache.policies import POLICIES
+from serving_integration.cache.predictions import AgentStepGraph, ModelSource, NoisySource, PerfectSource, vocabulary
 from serving_integration.simulator.radix import RadixTree, audit
 from serving_integration.cache.workload import SimCall, SimWorkflow, prefix_keys, workflows_from_rows
 from serving_integration.simulator.engine import INF, LPM_QUEUE_MAX, Server, SimConfig, Simulator, bound_metrics, simulate
@@ -567,6 +568,58 @@ def test_tabled_predictions_replay_exactly_as_per_step_predictions():
     assert source.table is not None and source.table.covers(workflows)
     per_step = simulate(workflows, config, H100, policy="pbkv", predictions=OnlineBackoff(_ModelPerStep(markov)))
     assert tabled == per_step
+
+
+def test_a_tables_rows_are_those_of_its_folded_predictions_whichever_blocks_it_keeps(monkeypatch):
+    """PrefixTable.lookup_rows makes a packed row a list from its block (ROW_BLOCK rows at once,
+    the ROW_BLOCKS_KEPT latest kept): in any order of lookups, with blocks dropped and made again,
+    each row is the one `ledger_rows` gives from the same predictions folded directly, to the bit."""
+    from serving_integration.cache import predictions
+    from serving_integration.cache.predictions import PrefixTable, fold, ledger_rows
+
+    monkeypatch.setattr(predictions, "ROW_BLOCK", 3)
+    monkeypatch.setattr(predictions, "ROW_BLOCKS_KEPT", 2)
+    workflows = small_workload("swebench", 12, 4)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    source = NoisySource(PerfectSource(names, 3), 0.3, seed=1)  # rows of every value, not only one-hot
+    table = PrefixTable(source.predict, workflows)
+    direct = ledger_rows(fold(table.probs, 0.9), names)
+    prefixes = [(w, n) for w in workflows for n in range(1, len(w.calls) + 1)]
+    order = np.random.default_rng(0).permutation(len(prefixes)).tolist() + list(range(len(prefixes)))
+    for i in order:
+        w, n = prefixes[i]
+        live = SimWorkflow(w.id, w.order, w.task, w.calls)
+        live.next_call = n
+        (row,) = table.lookup_rows([live], 0.9, names)
+        assert row == direct[i]
+        assert [x.hex() for x in row.value] == [x.hex() for x in direct[i].value]
+    assert len(table._folded[0.9][2]) == 2  # the blocks kept: no more than ROW_BLOCKS_KEPT
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_each_policys_priorities_have_one_length(name):
+    """The tree's heap entries are flat tuples (*priority, entry number, node), which order as
+    (priority, number) only while a policy's priorities all have one length
+    (EvictionPolicy.priority): every policy's are, over a replay with evictions on both tiers."""
+    workflows = small_workload("hover", 30, 1)
+    names = vocabulary(c.agent for w in workflows for c in w.calls)
+    policy = POLICIES[name]
+    kwargs = {}
+    if policy.reads_step_graph:
+        kwargs["predictions"] = AgentStepGraph(Hover().agent_graph(), 3, names)
+    elif policy.uses_predictions:
+        kwargs["predictions"] = PerfectSource(names, 3)
+    sim = Simulator(workflows, SimConfig(gpu_tokens=40_000, concurrency=8), H100, policy=name, **kwargs)
+    lengths = set()
+    for server in sim.servers:
+        def recorded(node, _priority=server.tree.priority):
+            priority = _priority(node)
+            lengths.add(len(priority))
+            return priority
+        server.tree.priority = recorded
+    counters = sim.run()
+    assert counters.evicted_gpu_tokens > 0
+    assert len(lengths) == 1, lengths
 
 
 def test_pbkv_time_reads_tabled_times_as_per_step_ones():
