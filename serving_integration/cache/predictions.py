@@ -9,6 +9,7 @@ from collections import Counter, defaultdict, deque
 from types import SimpleNamespace
 from typing import Callable, Hashable, NamedTuple, Protocol, Sequence
 
+import cython
 import numpy as np
 import torch
 
@@ -98,17 +99,22 @@ class LedgerRow(NamedTuple):
     steps: dict
 
 
+@cython.locals(packed=list, a=cython.Py_ssize_t, k=cython.Py_ssize_t, j=cython.Py_ssize_t, reuse=dict,
+               next_value=dict, steps=dict)
 def ledger_row(packed: list, n_agents: int, agent_names: Sequence[str]) -> LedgerRow:
     """A LedgerRow from one packed row (`Folded.packed`, as a list: likeliest and beats_end as
     floats, 3.0 is agent 3, 1.0 is True); `agent_names` the source's (at least n_agents of them)."""
     a = n_agents
     k = (len(packed) - 2 * a) // 2
-    value, likeliest, beats_end = packed[:a], packed[2 * a:2 * a + k], packed[2 * a + k:]
-    steps: dict[str, int] = {}
-    for step, (agent, alive) in enumerate(zip(likeliest, beats_end), start=1):
-        if alive:
-            steps.setdefault(agent_names[int(agent)], step)
-    return LedgerRow(value, dict(zip(agent_names, value)), dict(zip(agent_names, packed[a:2 * a])), steps)
+    reuse, next_value, steps = {}, {}, {}
+    for j in range(a):  # a loop, not dict(zip()): compiled, it is the C loop (the same dicts)
+        name = agent_names[j]
+        reuse[name] = packed[j]
+        next_value[name] = packed[a + j]
+    for j in range(k):  # the first step at which each agent is the likeliest and beats END
+        if packed[2 * a + k + j]:
+            steps.setdefault(agent_names[int(packed[2 * a + j])], j + 1)
+    return LedgerRow(packed[:a], reuse, next_value, steps)
 
 
 def ledger_rows(folded: Folded, agent_names: Sequence[str]) -> list[LedgerRow]:

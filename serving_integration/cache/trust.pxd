@@ -5,7 +5,8 @@
 # interpreted judges agree to the bit (tests/simulator/test_compiled.py). Interpreted, this file is
 # not read.
 
-cpdef agents_value(values, agents)
+cpdef agents_value(dict values, dict agents)
+cpdef double sum_parts(dict parts)
 
 # log_sum_exp's exp and log: the C library's when compiled (trust.py imports math's, which call them)
 cdef extern from "math.h":

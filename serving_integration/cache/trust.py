@@ -162,15 +162,27 @@ def sampled(workflow: str, share: float, seed: int) -> bool:
 SAMPLED_MEMO = 65536  # workflows whose sampling is memoised at once (the hash costs about a microsecond)
 
 
-def agents_value(values: dict, agents) -> float:
+@cython.locals(total=cython.double)
+def agents_value(values: dict, agents: dict) -> float:
     """The sum of `values` over `agents` (0 for an agent without one): what one workflow, whose
     predictions' values are `values`, adds to a key or node it read with these agents (the
     shadows' entries, PBKV's score in policies.WorkflowLedger, policies.PBKVTime, the router's
     score). Added one by one in order, as sum() adds on Python 3.11 (a loop: the shadows call it
-    from cpdef methods, which may hold no generator)."""
-    total = 0
+    from cpdef methods, which may hold no generator; compiled, over two dicts, as trust.pxd
+    types them: every caller's are)."""
+    total = 0.0
     for agent in agents:
         total += values.get(agent, 0.0)
+    return total
+
+
+@cython.locals(total=cython.double, part=cython.double)
+def sum_parts(parts: dict) -> float:
+    """The sum of a dict's float values in order: the float sum() gives (it adds them to 0 one by
+    one as doubles), in a compiled loop rather than through the builtin's generic call."""
+    total = 0.0
+    for part in parts.values():
+        total += part
     return total
 
 
@@ -200,7 +212,7 @@ class ShadowEntry:
     def set_part(self, workflow: str, table: dict) -> None:
         """A reader's part from its v_w `table`, and the score again (the sum of the parts)."""
         part = self.parts[workflow] = agents_value(table, self.readers[workflow])
-        self.score = part if len(self.parts) == 1 else sum(self.parts.values())
+        self.score = part if len(self.parts) == 1 else sum_parts(self.parts)
 
     def drop_reader(self, workflow: str) -> None:
         """A reader retired: its agents and part go, the score is made again."""
@@ -210,7 +222,7 @@ class ShadowEntry:
 
     def rescore(self) -> None:
         """The score from the parts (their sum; 0.0 for none, a float as every part is)."""
-        self.score = sum(self.parts.values(), 0.0)
+        self.score = sum_parts(self.parts)
 
 
 class TimeShadowEntry(ShadowEntry):

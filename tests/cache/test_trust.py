@@ -10,7 +10,7 @@ import pytest
 
 from data.errors import ConfigError
 from serving_integration.cache.config import TrustConfig
-from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, sampled
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, sampled, sum_parts
 
 VALUES = {"w1": {"a": 0.0, "c": 1.0}, "w2": {"a": 0.0, "b": 1.0}}  # v_w[agent], as PBKV's ledger folds them
 
@@ -260,6 +260,17 @@ def test_each_records_score_is_its_readers_value_made_again(judge_type):
         one_term += len(terms) == 1
         several += len(terms) > 1
     assert one_term and (several or not timed)  # pbkv_time's stream reached both (queued terms make several)
+
+
+def test_sum_parts_and_agents_value_add_as_sum_does():
+    """A key's score (sum_parts) and a reader's part (agents_value) are compiled loops: the very
+    floats sum() gives over the same values in the same order, to the bit (none: 0)."""
+    rng = random.Random(0)
+    for n in range(12):
+        parts = {f"w{i}": rng.uniform(-1, 1) * 10 ** rng.randint(-9, 9) for i in range(n)}
+        assert sum_parts(parts).hex() == float(sum(parts.values())).hex()
+        agents = dict.fromkeys(rng.sample([*parts, "unknown"], k=min(n, 3)))
+        assert float(agents_value(parts, agents)).hex() == float(sum(parts.get(a, 0.0) for a in agents)).hex()
 
 
 def test_log_sum_exp_reads_its_two_sequences_as_one():
