@@ -60,7 +60,8 @@ from serving_integration.cache.config import POLICY_PREFETCH_MODES, PREFETCH_MOD
     PbkvConfig, TlruConfig, TrustConfig
 from serving_integration.cache.predictions import LedgerRow, fold, ledger_rows, step_weights
 from serving_integration.cache.trust import TrustMeter  # noqa: F401  (re-exported)
-from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, make_trust
+from serving_integration.cache.trust import OutcomeTrust, TimeOutcomeTrust, agents_value, log_sum_exp, make_trust, \
+    sum_parts
 
 INF = math.inf
 
@@ -270,14 +271,11 @@ class WorkflowLedger:
         assert value is not None, "a row's part is read only once its workflow has a prediction"
         return sum(value[c] for c in rows.agents[r] if 0 <= c < len(value) - 1)
 
-    @cython.locals(total=cython.double, part=cython.double)
     def _rescore(self, node_id: int) -> None:
         """Score(c) = sum over the node's users, first user first, of their parts (left to right,
-        as a loop adds them; a workflow without predictions adds 0)."""
-        total = 0.0
-        for part in self._parts[node_id].values():
-            total += part
-        self._score[node_id] = total
+        as a loop adds them, `sum_parts`, as the outcome judge's keys; a workflow without
+        predictions adds 0)."""
+        self._score[node_id] = sum_parts(self._parts[node_id])
 
     @cython.locals(rows=_WorkflowRows)
     def _rescore_workflow(self, workflow: str, rows: _WorkflowRows, value: list[float]) -> list[int]:
