@@ -130,7 +130,7 @@ def step_weights(probs, gamma: float) -> tuple[np.ndarray, np.ndarray]:
     """probs: [B, K, A+1] (a tensor or an array; END last) -> (gamma^(k-1) s^(k), [B, K]: the weight of
     each step's P^(k) in Folded.value; probs in float64)."""
     if isinstance(probs, torch.Tensor):
-        probs = probs.detach().cpu().numpy()
+        probs = probs.numpy(force=True)  # detached, on the CPU: one call, not three
     probs = np.asarray(probs, dtype=np.float64)
     end_hazard = probs[..., -1]
     alive = np.empty_like(end_hazard)  # s^(k), models.base.survival
@@ -406,12 +406,15 @@ class OnlineBackoff:
         self.last: dict[str, tuple[dict, dict]] = {}  # workflow id -> (model, backoff) P^(1) by agent name
         self.ended: deque = deque()  # (workflow id, its agents) of workflows that ended
         self.log_weight = np.zeros(2)  # model, backoff
+        self._weights: np.ndarray | None = None  # `weights`, until log_weight changes
         self.observed = 0
 
     @property
     def weights(self) -> np.ndarray:
-        w = np.exp(self.log_weight - self.log_weight.max())
-        return w / w.sum()
+        if self._weights is None:
+            w = np.exp(self.log_weight - self.log_weight.max())
+            self._weights = w / w.sum()
+        return self._weights
 
     def _fold(self, w, ended: bool = False) -> None:
         agents, start = w.agents, self.folded.get(w.id, 0)
@@ -428,10 +431,16 @@ class OnlineBackoff:
         self.folded[w.id] = len(agents)
 
     def _score(self, model: dict, backoff: dict, nxt) -> None:
-        p = np.array([model.get(nxt, 0.0), backoff.get(nxt, 0.0)])
-        self.log_weight += np.log(np.maximum(p, 1e-6))
-        w = (1 - self.share) * self.weights + self.share / 2  # fixed share
-        self.log_weight = np.log(w)
+        """Each expert's weight times the probability it gave `nxt` (at least 1e-6), then the fixed
+        share. numpy's log and exp, as `weights`' (a SIMD build may round them otherwise than the C
+        library, and the weights must be the same bits whichever computes them); the rest is the
+        arrays' IEEE arithmetic on two floats in their order."""
+        p = [max(model.get(nxt, 0.0), 1e-6), max(backoff.get(nxt, 0.0), 1e-6)]
+        log_weight = (self.log_weight + np.log(p)).tolist()
+        top = max(log_weight)
+        e = np.exp([x - top for x in log_weight]).tolist()
+        total, keep, spread = e[0] + e[1], 1 - self.share, self.share / 2  # fixed share
+        self.log_weight, self._weights = np.log([keep * (x / total) + spread for x in e]), None
         self.observed += 1
 
     def finished(self, workflow) -> None:
@@ -446,7 +455,7 @@ class OnlineBackoff:
             self.last.pop(wf_id, None)
         for w in workflows:
             self._fold(w)
-        model = self.inner.predict(workflows).numpy().astype(np.float64)  # numpy: torch's float64 arithmetic, less overhead
+        model = self.inner.predict(workflows).numpy().astype(np.float64)
         if not np.isfinite(model).all():
             # a bad round (corrupted weights, a numerical blow-up) reaches no running state: the
             # pending predictions are dropped unscored and the weights stay as they were, so the
@@ -454,28 +463,32 @@ class OnlineBackoff:
             for w in workflows:
                 self.last.pop(w.id, None)
             return torch.from_numpy(model)
-        names = self.agent_names
+        names, beta, index = self.agent_names, self.beta, self.index
         n_model, n = model.shape[-1] - 1, len(names)
-        out_model = np.zeros((len(workflows), self.horizon, n + 1))
-        out_model[..., :n_model] = model[..., :-1]
-        out_model[..., n] = model[..., -1]
-        backoff = out_model.copy()
-        for b, w in enumerate(workflows):
-            current = w.agents[-1]
-            for k in range(self.horizon):
+        pad = [0.0] * (n - n_model)  # the columns of agents the model never saw: it gives them nothing
+        w_model, w_backoff = self.weights.tolist()
+        # row by row in Python floats, not a numpy call per row (a step predicts for one or two
+        # workflows): the same IEEE operations in the same order as the arrays' elementwise ones,
+        # and the counts are integers, so their sum is exact either way
+        mixed = []
+        for w, rows in zip(workflows, model.tolist()):
+            current, steps = w.agents[-1], []
+            for k, row in enumerate(rows):
+                expert = row[:n_model] + pad + row[-1:]  # the model's P^(k), END last
                 seen = self.counts.get((current, k + 1))
-                if not seen:
-                    continue
-                counts = np.zeros(n + 1)
-                for nxt, c in seen.items():
-                    counts[n if nxt is None else self.index[nxt]] = c
-                backoff[b, k] = (counts + self.beta * out_model[b, k]) / (counts.sum() + self.beta)
-        for b, w in enumerate(workflows):
-            ends = {None: float(out_model[b, 0, n])}, {None: float(backoff[b, 0, n])}
-            self.last[w.id] = tuple({**dict(zip(names, p[b, 0, :n].tolist())), **e}
-                                    for p, e in zip((out_model, backoff), ends))
-        weight = self.weights
-        return torch.from_numpy(weight[0] * out_model + weight[1] * backoff)  # float64
+                if seen:
+                    counts = [0] * (n + 1)
+                    for nxt, c in seen.items():
+                        counts[n if nxt is None else index[nxt]] = c
+                    total = sum(counts) + beta
+                    posterior = [(c + beta * p) / total for c, p in zip(counts, expert)]
+                else:
+                    posterior = expert
+                if k == 0:  # the experts' P^(1), scored when the workflow's next call comes
+                    self.last[w.id] = tuple({**dict(zip(names, p)), None: p[n]} for p in (expert, posterior))
+                steps.append([w_model * a + w_backoff * b for a, b in zip(expert, posterior)])
+            mixed.append(steps)
+        return torch.from_numpy(np.array(mixed, dtype=np.float64).reshape(len(workflows), model.shape[1], n + 1))
 
 
 class PerfectSource(_Tabled):

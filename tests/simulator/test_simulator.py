@@ -534,6 +534,70 @@ def test_online_backoff_scores_an_agent_unknown_at_prediction_as_given_no_probab
     assert np.allclose(source.weights, (1 - source.share) * before + source.share / 2, rtol=0, atol=1e-12)
 
 
+def test_online_backoff_mixes_as_the_arrays_formula_to_the_bit():
+    """OnlineBackoff works row by row in Python floats: its predictions and weights are, to the bit,
+    the arrays' (model padded with zero columns for agents it never saw, the Dirichlet posterior
+    (n_k(a, .) + beta P^(k)) / (n_k(a) + beta) where a has counts, the weights' mixture), and its
+    weights those of numpy's exp and log over the experts' probabilities of each next agent."""
+    from types import SimpleNamespace
+
+    from serving_integration.cache.predictions import OnlineBackoff, tell_finished
+
+    rng = np.random.default_rng(7)
+
+    class Random:  # a trained predictor over three agents, horizon 3, random rows
+        agent_names, horizon = ["<unk>", "coder", "planner"], 3
+
+        def predict(self, workflows):
+            probs = rng.dirichlet(np.ones(4), size=(len(workflows), 3)).astype(np.float32)
+            return torch.from_numpy(probs)
+
+    def reference(source, workflows, model):
+        names, n = source.agent_names, len(source.agent_names)
+        out = np.zeros((len(workflows), 3, n + 1))
+        out[..., :3] = model[..., :-1]
+        out[..., n] = model[..., -1]
+        posterior = out.copy()
+        for b, w in enumerate(workflows):
+            for k in range(3):
+                seen = source.counts.get((w.agents[-1], k + 1))
+                if seen:
+                    counts = np.zeros(n + 1)
+                    for nxt, c in seen.items():
+                        counts[n if nxt is None else source.index[nxt]] = c
+                    posterior[b, k] = (counts + source.beta * out[b, k]) / (counts.sum() + source.beta)
+        w = np.exp(source.log_weight - source.log_weight.max())
+        w = w / w.sum()
+        return w[0] * out + w[1] * posterior
+
+    source, log_weight = OnlineBackoff(Random(), beta=1.5, share=0.02), np.zeros(2)
+    agents = ["coder", "planner", "auditor", "tester"]  # two the model never saw
+    live = [SimpleNamespace(id=f"w{i}", agents=[agents[i % 2]]) for i in range(6)]
+    scored, score = [], source._score
+    source._score = lambda *args: (scored.append(args), score(*args))  # the experts' P^(1) and the agent that came
+    checked = 0
+    for step in range(40):
+        batch = [w for w in live if rng.random() < 0.6] or live[:1]
+        state = rng.bit_generator.state
+        model = source.inner.predict(batch).numpy().astype(np.float64)
+        rng.bit_generator.state = state
+        probs = source.predict(batch)
+        for model_p1, backoff_p1, nxt in scored:  # numpy's weights, from what each expert gave each next agent
+            log_weight = log_weight + np.log(np.maximum([model_p1.get(nxt, 0.0), backoff_p1.get(nxt, 0.0)], 1e-6))
+            e = np.exp(log_weight - log_weight.max())
+            log_weight = np.log((1 - source.share) * (e / e.sum()) + source.share / 2)
+        scored.clear()
+        assert source.log_weight.tolist() == log_weight.tolist()
+        assert probs.dtype == torch.float64 and probs.numpy().tolist() == reference(source, batch, model).tolist()
+        checked += len(batch)
+        for w in batch:
+            w.agents.append(agents[int(rng.integers(4))])
+            if len(w.agents) > 4 and rng.random() < 0.3:
+                tell_finished(source, w)
+                live[live.index(w)] = w = SimpleNamespace(id=f"{w.id}+", agents=["coder"])
+    assert checked > 100 and source.observed > 50 and sorted(source.agent_names[3:]) == ["auditor", "tester"]
+
+
 class _PerStep(PerfectSource):
     """The perfect predictor called once per scheduler step, as before tabling."""
 
