@@ -375,6 +375,26 @@ def _one_hot_paths(paths: Sequence[Sequence[str]], agent_names: list[str], horiz
     return torch.from_numpy(out)
 
 
+def normalised(log_weights: list[float]) -> list[float]:
+    """exp(log_weights - their max) over its sum, as floats: the arrays' arithmetic in its order,
+    with numpy's exp, not math's (a SIMD build of numpy may round it otherwise than the C library,
+    and OnlineBackoff's weights must be the same bits wherever they are computed; tests/simulator
+    checks them against the arrays' formula)."""
+    top = max(log_weights)
+    e = np.exp([x - top for x in log_weights]).tolist()
+    total = 0.0
+    for x in e:  # in order, as numpy adds a few floats (not sum(): Python 3.12's compensates)
+        total += x
+    return [x / total for x in e]
+
+
+def by_agent(names: Sequence[str], p: list[float]) -> dict:
+    """A row [A+1] (END last) as agent -> probability, END as None."""
+    row = dict(zip(names, p))
+    row[None] = p[len(names)]
+    return row
+
+
 class OnlineBackoff:
     """A trained predictor that keeps learning while serving.
 
@@ -411,9 +431,12 @@ class OnlineBackoff:
 
     @property
     def weights(self) -> np.ndarray:
+        """The experts' mixture weights (model, backoff): softmax of log_weight."""
+        return np.array(self._mixture())
+
+    def _mixture(self) -> list[float]:
         if self._weights is None:
-            w = np.exp(self.log_weight - self.log_weight.max())
-            self._weights = w / w.sum()
+            self._weights = normalised(self.log_weight.tolist())
         return self._weights
 
     def _fold(self, w, ended: bool = False) -> None:
@@ -431,16 +454,12 @@ class OnlineBackoff:
         self.folded[w.id] = len(agents)
 
     def _score(self, model: dict, backoff: dict, nxt) -> None:
-        """Each expert's weight times the probability it gave `nxt` (at least 1e-6), then the fixed
-        share. numpy's log and exp, as `weights`' (a SIMD build may round them otherwise than the C
-        library, and the weights must be the same bits whichever computes them); the rest is the
-        arrays' IEEE arithmetic on two floats in their order."""
-        p = [max(model.get(nxt, 0.0), 1e-6), max(backoff.get(nxt, 0.0), 1e-6)]
-        log_weight = (self.log_weight + np.log(p)).tolist()
-        top = max(log_weight)
-        e = np.exp([x - top for x in log_weight]).tolist()
-        total, keep, spread = e[0] + e[1], 1 - self.share, self.share / 2  # fixed share
-        self.log_weight, self._weights = np.log([keep * (x / total) + spread for x in e]), None
+        """Each expert's weight times the probability it gave `nxt` (at least 1e-6), normalised, then
+        the fixed share (in the arrays' arithmetic, as `normalised` says)."""
+        p = np.log([max(model.get(nxt, 0.0), 1e-6), max(backoff.get(nxt, 0.0), 1e-6)]).tolist()
+        w = normalised([a + b for a, b in zip(self.log_weight.tolist(), p)])
+        keep, spread = 1 - self.share, self.share / 2  # fixed share
+        self.log_weight, self._weights = np.log([keep * x + spread for x in w]), None
         self.observed += 1
 
     def finished(self, workflow) -> None:
@@ -466,7 +485,7 @@ class OnlineBackoff:
         names, beta, index = self.agent_names, self.beta, self.index
         n_model, n = model.shape[-1] - 1, len(names)
         pad = [0.0] * (n - n_model)  # the columns of agents the model never saw: it gives them nothing
-        w_model, w_backoff = self.weights.tolist()
+        w_model, w_backoff = self._mixture()
         # row by row in Python floats, not a numpy call per row (a step predicts for one or two
         # workflows): the same IEEE operations in the same order as the arrays' elementwise ones,
         # and the counts are integers, so their sum is exact either way
@@ -485,7 +504,7 @@ class OnlineBackoff:
                 else:
                     posterior = expert
                 if k == 0:  # the experts' P^(1), scored when the workflow's next call comes
-                    self.last[w.id] = tuple({**dict(zip(names, p)), None: p[n]} for p in (expert, posterior))
+                    self.last[w.id] = by_agent(names, expert), by_agent(names, posterior)
                 steps.append([w_model * a + w_backoff * b for a, b in zip(expert, posterior)])
             mixed.append(steps)
         return torch.from_numpy(np.array(mixed, dtype=np.float64).reshape(len(workflows), model.shape[1], n + 1))
