@@ -426,7 +426,7 @@ class OnlineBackoff:
         self.last: dict[str, tuple[dict, dict]] = {}  # workflow id -> (model, backoff) P^(1) by agent name
         self.ended: deque = deque()  # (workflow id, its agents) of workflows that ended
         self.log_weight = np.zeros(2)  # model, backoff
-        self._weights: np.ndarray | None = None  # `weights`, until log_weight changes
+        self._weights: list[float] | None = None  # `_mixture()`, until log_weight changes
         self.observed = 0
 
     @property

@@ -568,7 +568,9 @@ def test_online_backoff_mixes_as_the_arrays_formula_to_the_bit():
                     posterior[b, k] = (counts + source.beta * out[b, k]) / (counts.sum() + source.beta)
         w = np.exp(source.log_weight - source.log_weight.max())
         w = w / w.sum()
-        return w[0] * out + w[1] * posterior
+        firsts = [tuple({**dict(zip(names, p[b, 0, :n].tolist())), None: float(p[b, 0, n])} for p in (out, posterior))
+                  for b in range(len(workflows))]  # each expert's P^(1), scored when the next call comes
+        return w[0] * out + w[1] * posterior, firsts
 
     source, log_weight = OnlineBackoff(Random(), beta=1.5, share=0.02), np.zeros(2)
     agents = ["coder", "planner", "auditor", "tester"]  # two the model never saw
@@ -588,7 +590,9 @@ def test_online_backoff_mixes_as_the_arrays_formula_to_the_bit():
             log_weight = np.log((1 - source.share) * (e / e.sum()) + source.share / 2)
         scored.clear()
         assert source.log_weight.tolist() == log_weight.tolist()
-        assert probs.dtype == torch.float64 and probs.numpy().tolist() == reference(source, batch, model).tolist()
+        expected, firsts = reference(source, batch, model)
+        assert probs.dtype == torch.float64 and probs.numpy().tolist() == expected.tolist()
+        assert [source.last[w.id] for w in batch] == firsts
         checked += len(batch)
         for w in batch:
             w.agents.append(agents[int(rng.integers(4))])
