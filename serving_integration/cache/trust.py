@@ -178,8 +178,9 @@ def agents_value(values: dict, agents: dict) -> float:
 
 @cython.locals(total=cython.double, part=cython.double)
 def sum_parts(parts: dict) -> float:
-    """The sum of a dict's float values in order: the float sum() gives (it adds them to 0 one by
-    one as doubles), in a compiled loop rather than through the builtin's generic call."""
+    """The sum of a dict's float values, added to 0.0 one by one in order (what sum() gives on
+    Python 3.11; 3.12's sum() of floats compensates), in a compiled loop rather than through the
+    builtin's generic call."""
     total = 0.0
     for part in parts.values():
         total += part

@@ -2,7 +2,9 @@
 hand on a tiny sequence, their incremental orders against a full sort, the locks and capacity of
 running calls, the workflow sample, and the decision with its hysteresis."""
 
+import functools
 import math
+import operator
 import random
 from collections import Counter
 
@@ -264,13 +266,18 @@ def test_each_records_score_is_its_readers_value_made_again(judge_type):
 
 def test_sum_parts_and_agents_value_add_as_sum_does():
     """A key's score (sum_parts) and a reader's part (agents_value) are compiled loops: the very
-    floats sum() gives over the same values in the same order, to the bit (none: 0)."""
+    floats of adding the same values to 0.0 one by one in the same order (sum() on Python 3.11;
+    3.12's sum() of floats compensates, so the reference is the left-to-right sum itself), to the
+    bit (none: 0)."""
+    def in_order(values):
+        return functools.reduce(operator.add, values, 0.0)
+
     rng = random.Random(0)
     for n in range(12):
         parts = {f"w{i}": rng.uniform(-1, 1) * 10 ** rng.randint(-9, 9) for i in range(n)}
-        assert sum_parts(parts).hex() == float(sum(parts.values())).hex()
+        assert sum_parts(parts).hex() == in_order(parts.values()).hex()
         agents = dict.fromkeys(rng.sample([*parts, "unknown"], k=min(n, 3)))
-        assert float(agents_value(parts, agents)).hex() == float(sum(parts.get(a, 0.0) for a in agents)).hex()
+        assert float(agents_value(parts, agents)).hex() == in_order(parts.get(a, 0.0) for a in agents).hex()
 
 
 def test_log_sum_exp_reads_its_two_sequences_as_one():
